@@ -1,0 +1,59 @@
+"""Shared fixtures: a real redis-server per test session (flushed per test) and fakeredis.
+
+A missing redis-server fails the run with a clear message: tests about streams,
+consumer groups, Lua and pub/sub must run against the real thing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+sys.path.insert(0, str(Path(__file__).parent))  # plain helper modules beside the tests
+
+from support import RedisServer, free_port
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(port=free_port(), dir=tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> Iterator[str]:
+    """URL of the session's real Redis, flushed before each test."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    yield redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def fake_r() -> Iterator[redis.Redis]:
+    """fakeredis with Lua, for fast logic tests where Redis semantics don't matter."""
+    import fakeredis
+
+    client = fakeredis.FakeRedis()
+    yield client
+    client.close()
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads() -> None:
+    # Keep tests predictable on small CI machines.
+    os.environ.setdefault("OMP_NUM_THREADS", "2")

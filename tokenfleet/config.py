@@ -1,0 +1,25 @@
+"""Settings read once at the edge (CLI, worker start-up), never deep in the code.
+
+Environment: `TOKENFLEET_*` (e.g. `TOKENFLEET_PREFIX`, `TOKENFLEET_MODEL`) and
+`REDIS_URL` (also `rediss://` and URLs with a password).
+"""
+
+from __future__ import annotations
+
+from pydantic import AliasChoices, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TOKENFLEET_", extra="ignore", frozen=True)
+
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        validation_alias=AliasChoices("TOKENFLEET_REDIS_URL", "REDIS_URL"),
+        description="redis:// or rediss:// URL, with password if any",
+    )
+    prefix: str = Field(default="tokenfleet:", min_length=1, max_length=64)
+    model: str = Field(default="tiny-random", description="preset name or checkpoint folder")
+    device: str = "auto"
+    dtype: str = "float32"
+    queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")

@@ -1,0 +1,77 @@
+"""Named exceptions a user of tokenfleet can meet.
+
+Internal invariants use `assert`; everything a caller can trigger by input,
+load or timing raises one of these.
+"""
+
+from __future__ import annotations
+
+
+class TokenfleetError(Exception):
+    """Base class of every error tokenfleet raises on purpose."""
+
+
+class ProtocolError(TokenfleetError):
+    """A payload could not be decoded into a valid message.
+
+    `reason` is a stable lowercase string (see `protocol.DecodeReason`);
+    `job_id` is set when the job id could still be read, so the job's client
+    can be told.
+    """
+
+    def __init__(self, reason: str, message: str, job_id: str | None = None) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.job_id = job_id
+
+
+class QueueFull(TokenfleetError):
+    """The jobs stream already holds `cap` accepted, unfinished jobs: back off and retry."""
+
+    def __init__(self, depth: int, cap: int, stream: str) -> None:
+        super().__init__(f"queue {stream} is full: {depth} jobs waiting or running, cap {cap}")
+        self.depth = depth
+        self.cap = cap
+        self.stream = stream
+
+
+class JobRejected(TokenfleetError):
+    """The fleet refused the job (admission, invalid input); nothing was generated."""
+
+    def __init__(self, job_id: str, reason: str, message: str) -> None:
+        super().__init__(f"job {job_id} rejected ({reason}): {message}")
+        self.job_id = job_id
+        self.reason = reason
+        self.message = message
+
+
+class JobFailed(TokenfleetError):
+    """The job ended with an error (engine failure, dead-lettered after retries)."""
+
+    def __init__(self, job_id: str, reason: str, message: str) -> None:
+        super().__init__(f"job {job_id} failed ({reason}): {message}")
+        self.job_id = job_id
+        self.reason = reason
+        self.message = message
+
+
+class JobTimeout(TokenfleetError):
+    """Waiting for a job's events or result took longer than the caller allowed."""
+
+    def __init__(self, job_id: str, timeout: float) -> None:
+        super().__init__(f"job {job_id}: no result within {timeout:g}s")
+        self.job_id = job_id
+        self.timeout = timeout
+
+
+class JobNotFound(TokenfleetError):
+    """No job with this id is known to the fleet (never submitted, or its records expired)."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id} is not known (never submitted, or expired)")
+        self.job_id = job_id
+
+
+class ModelLoadError(TokenfleetError):
+    """A model folder or preset could not be loaded (missing files, unsupported architecture)."""

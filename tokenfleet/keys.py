@@ -1,0 +1,94 @@
+"""Every Redis key and channel tokenfleet uses, with its lifetime beside it.
+
+No other module builds key strings. All keys live under one prefix (default
+``tokenfleet:``) so several fleets can share a Redis. A job may name a model:
+each model has its own jobs stream (``<prefix>jobs:<model>``; jobs that name
+none go to ``<prefix>jobs:default``), so a mixed fleet routes by model without
+a key migration.
+
+Redis Cluster note: the submit script touches the jobs stream, its cap and the
+job's state key together, so on a cluster they would need one hash slot; the
+fleet targets a single Redis (with a replica) today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "tokenfleet:"
+DEFAULT_MODEL = "default"
+
+# Lifetimes, in seconds.
+JOB_STATE_TTL_S = 7 * 24 * 3600  # job hash: refreshed on submit and finish; bounds idempotency
+RESULT_TTL_S = 24 * 3600  # stored result, from finish
+EVENTS_TTL_S = 24 * 3600  # per-job replay stream, refreshed on every append
+EVENTS_MAXLEN = 10_000  # replay stream entries kept (≥ MAX_NEW_TOKENS + 1)
+CANCEL_TTL_S = 24 * 3600  # cancel flag
+WORKER_TTL_S = 5  # worker hash = heartbeat: a worker silent this long is presumed dead
+DEAD_LETTERS_MAXLEN = 100_000  # dead-letter stream, approximately trimmed (oldest go first)
+
+DEFAULT_QUEUE_CAP = 1000
+GROUP = "workers"  # the one consumer group every worker of a jobs stream joins
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one fleet. `prefix` usually ends with ':'."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    # --- the queue -------------------------------------------------------
+    def jobs(self, model: str | None = None) -> str:
+        """Stream of accepted, unfinished jobs. No TTL; never trimmed (XLEN = depth)."""
+        return f"{self.prefix}jobs:{model or DEFAULT_MODEL}"
+
+    def queue_cap(self, model: str | None = None) -> str:
+        """String: the jobs stream's cap, shared by every producer. No TTL; absent = default."""
+        return f"{self.jobs(model)}:cap"
+
+    @property
+    def group(self) -> str:
+        """Consumer group name on every jobs stream."""
+        return GROUP
+
+    def models(self) -> str:
+        """Set of model names that have had a jobs stream. No TTL."""
+        return f"{self.prefix}models"
+
+    # --- one job ---------------------------------------------------------
+    def job(self, job_id: str) -> str:
+        """Hash: status, stream, entry id, submitted_at, worker, finish reason. JOB_STATE_TTL_S."""
+        return f"{self.prefix}job:{job_id}"
+
+    def events(self, job_id: str) -> str:
+        """Stream: the job's events (msgpack in field 'm'), for replay. EVENTS_TTL_S."""
+        return f"{self.prefix}job:{job_id}:events"
+
+    def channel(self, job_id: str) -> str:
+        """Pub/sub channel: the same events, live (at most once)."""
+        return f"{self.prefix}job:{job_id}:live"
+
+    def result(self, job_id: str) -> str:
+        """String: msgpack JobResult. RESULT_TTL_S."""
+        return f"{self.prefix}job:{job_id}:result"
+
+    def cancel(self, job_id: str) -> str:
+        """String flag '1': the client asked to cancel. CANCEL_TTL_S."""
+        return f"{self.prefix}job:{job_id}:cancel"
+
+    # --- the fleet -------------------------------------------------------
+    def worker(self, name: str) -> str:
+        """Hash: one worker's identity, budgets and telemetry. WORKER_TTL_S (its heartbeat)."""
+        return f"{self.prefix}worker:{name}"
+
+    def workers(self) -> str:
+        """Sorted set: worker name → last heartbeat (unix s). No TTL; stale names are pruned."""
+        return f"{self.prefix}workers"
+
+    def telemetry_channel(self) -> str:
+        """Pub/sub channel: every worker's telemetry, about once a second (JSON)."""
+        return f"{self.prefix}telemetry"
+
+    def dead_letters(self) -> str:
+        """Stream: jobs/entries that could not be served, with the reason. ~DEAD_LETTERS_MAXLEN."""
+        return f"{self.prefix}dead"

@@ -1,0 +1,265 @@
+"""Every message on the wire: pydantic models, a msgpack codec and the schema version.
+
+Rules any client in any language can rely on (docs/protocol.md is the
+reference for them):
+
+* Every message is a msgpack map with an integer field ``v`` (the schema
+  version, currently 1). A job payload may also be a JSON object (text
+  starting with ``{``), so a shell with ``redis-cli`` can submit jobs.
+* Decoding never raises anything but `ProtocolError`, whose ``reason`` is one
+  of `DecodeReason`.
+* Limits are hard: a payload over a limit is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tokenfleet.errors import ProtocolError
+from tokenfleet.reasons import FinishReason
+
+SCHEMA_VERSION: Final = 1
+
+# Hard limits. Changing one is a protocol change: update docs/protocol.md.
+MAX_PAYLOAD_BYTES = 256 * 1024  # one encoded job
+MAX_PROMPT_CHARS = 64 * 1024  # prompt text, in characters
+MAX_PROMPT_TOKENS = 16 * 1024  # prompt_ids length
+MAX_NEW_TOKENS = 8192
+MAX_TOKEN_ID = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_METADATA_ITEMS = 32
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 1024
+MAX_SEED = 2**63 - 1
+
+JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
+
+
+class DecodeReason(StrEnum):
+    """Why a payload was refused. Stable strings: clients and dead letters carry them."""
+
+    OVERSIZE = "oversize"
+    NOT_MSGPACK = "not_msgpack"
+    NOT_A_MAP = "not_a_map"
+    MISSING_VERSION = "missing_version"
+    UNKNOWN_VERSION = "unknown_version"
+    INVALID_FIELD = "invalid_field"
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+MetaValue = str | int | float | bool | None
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class SamplingParams(_Message):
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_k: int = Field(default=0, ge=0, le=1_000_000)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class GenerationRequest(_Message):
+    """One generation job, as a producer submits it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    v: Literal[1] = SCHEMA_VERSION
+    job_id: JobId = Field(default_factory=new_job_id)
+    prompt: str | None = Field(default=None, min_length=1, max_length=MAX_PROMPT_CHARS)
+    prompt_ids: list[TokenId] | None = Field(
+        default=None, min_length=1, max_length=MAX_PROMPT_TOKENS
+    )
+    max_new_tokens: int = Field(default=128, ge=1, le=MAX_NEW_TOKENS)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
+        default_factory=list, max_length=MAX_STOP_STRINGS
+    )
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    deadline: float | None = Field(default=None, ge=0.0, description="unix time, seconds")
+    model: Annotated[str, Field(pattern=MODEL_NAME_PATTERN)] | None = None
+    metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
+        default_factory=dict, max_length=MAX_METADATA_ITEMS
+    )
+
+    @field_validator("metadata")
+    @classmethod
+    def _short_values(cls, value: dict[str, MetaValue]) -> dict[str, MetaValue]:
+        for key, item in value.items():
+            if isinstance(item, str) and len(item) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"metadata[{key!r}] has {len(item)} characters, "
+                    f"limit {MAX_METADATA_VALUE_CHARS}"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerationRequest:
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("give exactly one of prompt (text) or prompt_ids (token ids)")
+        return self
+
+
+class Usage(_Message):
+    prompt_tokens: int = Field(default=0, ge=0)
+    completion_tokens: int = Field(default=0, ge=0)
+
+
+class Timings(_Message):
+    """Seconds; None where the phase never happened (e.g. no first token)."""
+
+    queued_s: float | None = None  # submit → first admitted by a worker
+    ttft_s: float | None = None  # submit → first token
+    total_s: float | None = None  # submit → terminal event
+
+
+class ErrorInfo(_Message):
+    """Why a job was rejected or failed: a stable reason string and a human message."""
+
+    reason: str = Field(max_length=64)
+    message: str = Field(max_length=4096)
+
+
+class TokenEvent(_Message):
+    """One generated token. `index` counts from 0 per job; `text` is a UTF-8-safe delta."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    type: Literal["token"] = "token"
+    job_id: JobId
+    index: int = Field(ge=0)
+    token_id: TokenId
+    text: str = ""
+
+
+class FinishEvent(_Message):
+    """The last event of every job, exactly one per job."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    type: Literal["finish"] = "finish"
+    job_id: JobId
+    reason: FinishReason
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    error: ErrorInfo | None = None
+    worker: str | None = None
+
+
+Event = Annotated[TokenEvent | FinishEvent, Field(discriminator="type")]
+
+
+class JobResult(_Message):
+    """The stored outcome of a job (kept with a TTL under `keys.result`)."""
+
+    v: Literal[1] = SCHEMA_VERSION
+    job_id: JobId
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    error: ErrorInfo | None = None
+    worker: str | None = None
+
+
+class _EventEnvelope(BaseModel):
+    event: Event
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def encode(message: BaseModel) -> bytes:
+    """msgpack bytes of a message (enums as their string values)."""
+    packed: bytes = msgpack.packb(message.model_dump(mode="json"), use_bin_type=True)
+    return packed
+
+
+def _unpack(data: bytes, *, allow_json: bool) -> dict[str, Any]:
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(DecodeReason.NOT_MSGPACK, f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(
+            DecodeReason.OVERSIZE, f"payload is {len(data)} bytes, limit {MAX_PAYLOAD_BYTES}"
+        )
+    raw = bytes(data)
+    try:
+        if allow_json and raw[:1] == b"{":
+            obj = json.loads(raw)
+        else:
+            obj = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(
+            DecodeReason.NOT_MSGPACK, f"cannot decode payload ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(DecodeReason.NOT_A_MAP, f"expected a map, got {type(obj).__name__}")
+    job_id = obj.get("job_id")
+    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
+    if "v" not in obj:
+        raise ProtocolError(DecodeReason.MISSING_VERSION, "field 'v' is missing", readable_id)
+    if obj["v"] != SCHEMA_VERSION or isinstance(obj["v"], bool):
+        raise ProtocolError(
+            DecodeReason.UNKNOWN_VERSION,
+            f"schema version {obj['v']!r} is not supported (this side speaks {SCHEMA_VERSION})",
+            readable_id,
+        )
+    return obj
+
+
+def _invalid(exc: ValidationError, obj: dict[str, Any]) -> ProtocolError:
+    problems = []
+    for err in exc.errors(include_url=False)[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "(message)"
+        problems.append(f"{where}: {err['msg']}")
+    job_id = obj.get("job_id")
+    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
+    return ProtocolError(DecodeReason.INVALID_FIELD, "; ".join(problems), readable_id)
+
+
+def _validate(model: type[M], obj: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise _invalid(exc, obj) from None
+    except Exception as exc:  # a validator tripping on a hostile shape is still bad input
+        raise ProtocolError(DecodeReason.INVALID_FIELD, str(exc)[:500]) from None
+
+
+def decode_request(data: bytes) -> GenerationRequest:
+    """A job payload (msgpack map, or JSON object text) → `GenerationRequest`."""
+    return _validate(GenerationRequest, _unpack(data, allow_json=True))
+
+
+def decode_event(data: bytes) -> TokenEvent | FinishEvent:
+    obj = _unpack(data, allow_json=False)
+    return _validate(_EventEnvelope, {"event": obj}).event
+
+
+def decode_result(data: bytes) -> JobResult:
+    return _validate(JobResult, _unpack(data, allow_json=False))
