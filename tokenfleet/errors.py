@@ -75,3 +75,7 @@ class JobNotFound(TokenfleetError):
 
 class ModelLoadError(TokenfleetError):
     """A model folder or preset could not be loaded (missing files, unsupported architecture)."""
+
+
+class InvalidRequest(TokenfleetError, ValueError):
+    """A request failed validation before reaching Redis; the message names the field."""

@@ -41,7 +41,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
 MAX_SEED = 2**63 - 1
 
-JOB_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
+JOB_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"  # no ":": keys append ":suffix" to ids
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 

@@ -1,0 +1,240 @@
+"""The producer client: submit jobs to the fleet and follow them (sync, redis-py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tokenfleet.errors import JobFailed, JobNotFound, JobRejected, JobTimeout, QueueFull
+from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
+from tokenfleet.producer.common import (
+    SUBMIT_LUA,
+    EventAssembler,
+    SubmitReply,
+    build_request,
+    encode_request,
+    parse_submit_reply,
+    submit_call,
+)
+from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent, decode_result
+from tokenfleet.reasons import FinishReason
+
+REPLAY_POLL_S = 0.5  # with no pub/sub traffic, re-read the replay stream this often
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """A job's state hash, read back. `status` is queued | running | finished."""
+
+    job_id: str
+    status: str
+    fields: dict[str, str]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.fields.get("finish_reason")
+
+    @property
+    def worker(self) -> str | None:
+        return self.fields.get("worker")
+
+
+@dataclass(frozen=True)
+class SubmitOutcome:
+    """One job's outcome in `submit_many`: a handle, or the error that refused it."""
+
+    job_id: str
+    handle: JobHandle | None
+    error: Exception | None = None
+    duplicate: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.handle is not None
+
+
+def raise_for_finish(result: JobResult) -> JobResult:
+    """Rejected and failed jobs raise their named errors; other results pass through."""
+    if result.finish_reason in (FinishReason.REJECTED, FinishReason.ERROR):
+        reason = result.error.reason if result.error else str(result.finish_reason)
+        message = result.error.message if result.error else ""
+        error_type = JobRejected if result.finish_reason == FinishReason.REJECTED else JobFailed
+        raise error_type(result.job_id, reason, message)
+    return result
+
+
+class Producer:
+    """Submits jobs to a fleet's bounded jobs stream.
+
+    `submit` is one atomic script call: an id accepted before returns its
+    existing job, a full stream raises `QueueFull` at once, otherwise the job
+    is added. Bad input raises `InvalidRequest` before anything is sent.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        keys: Keys | None = None,
+        default_cap: int = DEFAULT_QUEUE_CAP,
+    ) -> None:
+        self.redis = client
+        self.keys = keys or Keys()
+        self.default_cap = default_cap
+        self._submit = client.register_script(SUBMIT_LUA)
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> Producer:
+        keys = Keys(prefix) if prefix else Keys()
+        return cls(redis.Redis.from_url(url), keys=keys, **kwargs)
+
+    def submit(self, request: GenerationRequest | None = None, /, **fields: Any) -> JobHandle:
+        req = build_request(request, fields)
+        script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
+        reply = parse_submit_reply(self.keys, req, self._submit(keys=script_keys, args=args))
+        return self._handle(reply)
+
+    def submit_many(self, requests: Iterable[GenerationRequest]) -> list[SubmitOutcome]:
+        """Submit many jobs in one round trip; each gets its own outcome, in order."""
+        reqs = list(requests)
+        pipe = self.redis.pipeline(transaction=False)
+        for req in reqs:
+            script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
+            self._submit(keys=script_keys, args=args, client=pipe)
+        outcomes = []
+        for req, reply in zip(reqs, pipe.execute(raise_on_error=False), strict=True):
+            try:
+                if isinstance(reply, Exception):
+                    raise reply
+                parsed = parse_submit_reply(self.keys, req, reply)
+                outcomes.append(
+                    SubmitOutcome(req.job_id, self._handle(parsed), duplicate=parsed.duplicate)
+                )
+            except (QueueFull, redis.RedisError) as exc:
+                outcomes.append(SubmitOutcome(req.job_id, None, error=exc))
+        return outcomes
+
+    def handle(self, job_id: str) -> JobHandle:
+        """A handle on a job submitted earlier (by anyone)."""
+        return JobHandle(self, job_id)
+
+    def _handle(self, reply: SubmitReply) -> JobHandle:
+        return JobHandle(self, reply.job_id, entry_id=reply.entry_id, duplicate=reply.duplicate)
+
+    def set_queue_cap(self, cap: int, model: str | None = None) -> None:
+        if cap < 1:
+            raise ValueError("queue cap must be at least 1")
+        self.redis.set(self.keys.queue_cap(model), cap)
+
+    def queue_cap(self, model: str | None = None) -> int:
+        value = self.redis.get(self.keys.queue_cap(model))
+        return int(value) if value is not None else self.default_cap
+
+    def depth(self, model: str | None = None) -> int:
+        """Accepted, unfinished jobs: XLEN of the jobs stream."""
+        return int(self.redis.xlen(self.keys.jobs(model)))
+
+
+class JobHandle:
+    """Follow one job: its tokens in order, its result, its status; cancel it."""
+
+    def __init__(
+        self, producer: Producer, job_id: str, *, entry_id: str = "", duplicate: bool = False
+    ) -> None:
+        self.producer = producer
+        self.id = job_id
+        self.entry_id = entry_id
+        self.duplicate = duplicate
+        self.finish: FinishEvent | None = None
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self.id!r})"
+
+    @property
+    def _redis(self) -> redis.Redis:
+        return self.producer.redis
+
+    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Yield the job's token events, each once, in index order; end after its finish.
+
+        Subscribes to the live channel first, then replays the job's event
+        stream, so nothing published before the call is missed. The finish
+        event is kept on `self.finish`. `timeout` bounds the silence between
+        two events (JobTimeout).
+        """
+        keys = self.producer.keys
+        asm = EventAssembler()
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.channel(self.id))
+        try:
+            self._replay(asm)
+            last_progress = time.monotonic()
+            while True:
+                for event in asm.ready():
+                    last_progress = time.monotonic()
+                    if isinstance(event, FinishEvent):
+                        self.finish = event
+                        return
+                    yield event
+                message = pubsub.get_message(timeout=REPLAY_POLL_S)
+                if message is not None and message["type"] == "message":
+                    asm.feed_raw(message["data"])
+                    if asm.gap:
+                        self._replay(asm)
+                else:
+                    self._replay(asm)
+                if timeout is not None and time.monotonic() - last_progress > timeout:
+                    raise JobTimeout(self.id, timeout)
+        finally:
+            pubsub.close()
+
+    def _replay(self, asm: EventAssembler) -> None:
+        start = "-" if asm.last_stream_id == "-" else f"({asm.last_stream_id}"
+        for entry_id, fields in self._redis.xrange(self.producer.keys.events(self.id), start, "+"):
+            asm.last_stream_id = entry_id.decode()
+            asm.feed_raw(fields[b"m"])
+
+    def result(self, timeout: float | None = None) -> JobResult:
+        """The job's final result; raises JobRejected / JobFailed / JobTimeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        keys = self.producer.keys
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(keys.channel(self.id))
+        try:
+            while True:
+                stored = self._redis.get(keys.result(self.id))
+                if stored is not None:
+                    return raise_for_finish(decode_result(stored))
+                if not self._redis.exists(keys.job(self.id)):
+                    raise JobNotFound(self.id)
+                wait = REPLAY_POLL_S
+                if deadline is not None:
+                    wait = min(wait, deadline - time.monotonic())
+                    if wait <= 0:
+                        raise JobTimeout(self.id, timeout or 0.0)
+                # Any event on the channel is a cue to look again; silence re-checks anyway.
+                pubsub.get_message(timeout=wait)
+        finally:
+            pubsub.close()
+
+    def cancel(self) -> bool:
+        """Ask the fleet to stop this job (within one tick wherever it runs).
+
+        Returns False when the job is unknown or already finished."""
+        keys = self.producer.keys
+        state = self._redis.hget(keys.job(self.id), "status")
+        if state is None or state == b"finished":
+            return False
+        self._redis.set(keys.cancel(self.id), 1, ex=CANCEL_TTL_S)
+        return True
+
+    def status(self) -> JobStatus:
+        raw = self._redis.hgetall(self.producer.keys.job(self.id))
+        if not raw:
+            raise JobNotFound(self.id)
+        fields = {k.decode(): v.decode() for k, v in raw.items()}
+        return JobStatus(self.id, fields.get("status", "unknown"), fields)

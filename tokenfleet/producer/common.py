@@ -1,0 +1,144 @@
+"""What the sync and async producers share: request building, the submit script's
+arguments and replies, and the in-order event assembler. No I/O here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from pydantic import ValidationError
+
+from tokenfleet.errors import InvalidRequest, QueueFull
+from tokenfleet.keys import DEFAULT_MODEL, JOB_STATE_TTL_S, Keys
+from tokenfleet.protocol import (
+    MAX_PAYLOAD_BYTES,
+    FinishEvent,
+    GenerationRequest,
+    TokenEvent,
+    decode_event,
+    encode,
+)
+
+SUBMIT_LUA = resources.files("tokenfleet").joinpath("lua/submit.lua").read_text()
+
+
+def build_request(request: GenerationRequest | None, fields: dict[str, Any]) -> GenerationRequest:
+    """The request to send, validated; bad input raises `InvalidRequest` naming the field."""
+    if request is not None:
+        if fields:
+            raise InvalidRequest("pass either a GenerationRequest or keyword fields, not both")
+        return request
+    try:
+        return GenerationRequest(**fields)
+    except ValidationError as exc:
+        problems = [
+            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+            for err in exc.errors(include_url=False)
+        ]
+        raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
+
+
+def encode_request(request: GenerationRequest) -> bytes:
+    payload = encode(request)
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise InvalidRequest(
+            f"request encodes to {len(payload)} bytes, limit MAX_PAYLOAD_BYTES={MAX_PAYLOAD_BYTES}"
+        )
+    return payload
+
+
+def submit_call(
+    keys: Keys, request: GenerationRequest, payload: bytes, default_cap: int
+) -> tuple[list[str], list[str | bytes | int | float]]:
+    """KEYS and ARGV for submit.lua (documented in the script itself)."""
+    model = request.model or DEFAULT_MODEL
+    script_keys = [
+        keys.jobs(request.model),
+        keys.queue_cap(request.model),
+        keys.job(request.job_id),
+        keys.models(),
+    ]
+    args: list[str | bytes | int | float] = [
+        request.job_id,
+        payload,
+        default_cap,
+        f"{time.time():.6f}",
+        JOB_STATE_TTL_S,
+        model,
+    ]
+    return script_keys, args
+
+
+@dataclass(frozen=True)
+class SubmitReply:
+    """submit.lua's reply, parsed. `duplicate` means the id was already accepted."""
+
+    job_id: str
+    entry_id: str
+    duplicate: bool
+
+
+def parse_submit_reply(keys: Keys, request: GenerationRequest, reply: list[Any]) -> SubmitReply:
+    """Turn the script's reply into a `SubmitReply`, or raise `QueueFull`."""
+    kind = _text(reply[0])
+    if kind == "full":
+        raise QueueFull(depth=int(reply[1]), cap=int(reply[2]), stream=keys.jobs(request.model))
+    if kind == "dup":
+        return SubmitReply(request.job_id, _text(reply[1]), duplicate=True)
+    assert kind == "ok", f"unexpected submit reply {reply!r}"
+    return SubmitReply(request.job_id, _text(reply[1]), duplicate=False)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class EventAssembler:
+    """Turns events arriving from replay and pub/sub, duplicated or out of order,
+    into each token exactly once, in index order, then the finish event.
+
+    Feed it every decoded event; `ready()` hands back what may be delivered now.
+    `complete` is true once the finish event and every token before it were delivered.
+    `gap` is true when something was missed (a later index or the finish event
+    arrived before an earlier token): the caller should re-read the replay stream.
+    """
+
+    next_index: int = 0
+    pending: dict[int, TokenEvent] = field(default_factory=dict)
+    finish: FinishEvent | None = None
+    finish_delivered: bool = False
+    last_stream_id: str = "-"  # last replay-stream entry read, for incremental XRANGE
+
+    def feed(self, event: TokenEvent | FinishEvent) -> None:
+        if isinstance(event, FinishEvent):
+            self.finish = event
+        elif event.index >= self.next_index:
+            self.pending.setdefault(event.index, event)
+
+    def feed_raw(self, data: bytes) -> None:
+        self.feed(decode_event(data))
+
+    def ready(self) -> list[TokenEvent | FinishEvent]:
+        out: list[TokenEvent | FinishEvent] = []
+        while self.next_index in self.pending:
+            out.append(self.pending.pop(self.next_index))
+            self.next_index += 1
+        if (
+            self.finish is not None
+            and not self.finish_delivered
+            and self.finish.usage.completion_tokens <= self.next_index
+        ):
+            self.finish_delivered = True
+            out.append(self.finish)
+        return out
+
+    @property
+    def gap(self) -> bool:
+        return bool(self.pending) or (self.finish is not None and not self.finish_delivered)
+
+    @property
+    def complete(self) -> bool:
+        return self.finish_delivered

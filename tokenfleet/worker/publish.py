@@ -1,0 +1,32 @@
+"""Writing a job's events to Redis: the replay stream plus the live channel.
+
+Helpers take a pipeline so a worker batches one tick's events into one round
+trip. An event is appended to the job's replay stream first, then announced
+on its channel: a client that subscribes, then replays, misses nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenfleet.keys import EVENTS_MAXLEN, EVENTS_TTL_S, RESULT_TTL_S, Keys
+from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, encode
+
+
+def queue_event(pipe: Any, keys: Keys, event: TokenEvent | FinishEvent) -> None:
+    """Append `event` to its job's replay stream and publish it (on `pipe`, not executed)."""
+    data = encode(event)
+    stream = keys.events(event.job_id)
+    # Trimming is safe here: it bounds a replay log that holds at most MAX_NEW_TOKENS + 1.
+    pipe.xadd(stream, {"m": data}, maxlen=EVENTS_MAXLEN, approximate=True)
+    pipe.expire(stream, EVENTS_TTL_S)
+    pipe.publish(keys.channel(event.job_id), data)
+
+
+def queue_result(pipe: Any, keys: Keys, result: JobResult) -> None:
+    """Store the final result with its TTL and mark the job finished (on `pipe`)."""
+    pipe.set(keys.result(result.job_id), encode(result), ex=RESULT_TTL_S)
+    pipe.hset(
+        keys.job(result.job_id),
+        mapping={"status": "finished", "finish_reason": str(result.finish_reason)},
+    )
