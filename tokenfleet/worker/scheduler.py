@@ -1,0 +1,277 @@
+"""Pure continuous-batching scheduler: which tokens go into the next forward pass.
+
+One tick = one forward pass. Every decoding session contributes exactly one
+token (its last sampled one) first; then up to `max_prefill_tokens_per_tick`
+prompt tokens of waiting sessions, FIFO and chunked. Decode first, then bounded
+prefill: a burst of new prompts never stalls generations in flight.
+
+Token bookkeeping of one `Sequence` (n = num_tokens = len(prompt) + len(output)):
+
+    all_ids        [p0 .. p_k, o0 .. o_j]       prompt, then tokens sampled so far
+    num_computed   tokens whose KV is in the cache
+    prefill        feeds all_ids[num_computed:n]; the logits at position n-1 give
+                   the next token, so prefill of *all* known tokens ends in a sample
+    decode         feeds all_ids[n-1] at position n-1 (num_computed == n-1), samples
+
+A resumed session (crash recovery) starts with the outputs already emitted and
+simply prefills prompt + outputs; its next sample continues at index len(output).
+
+Ownership: the scheduler owns a session's KV lifetime. `add` reserves
+prompt + max_new_tokens in the `BlockManager` (admission has checked it fits);
+`finish` / `abort` free it. Physical blocks are ensured in `schedule`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from tokenfleet.kv import BlockManager
+from tokenfleet.reasons import FinishReason
+
+
+class SeqStatus(StrEnum):
+    WAITING = "waiting"  # admitted, KV reserved, no prefill yet
+    PREFILL = "prefill"  # part of all_ids is in the cache
+    DECODE = "decode"  # first token sampled; one token per tick from now on
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    session_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int  # the job's whole budget, resumed outputs included
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Tokens still to feed before the first sample (0 once decoding)."""
+        if self.status in (SeqStatus.WAITING, SeqStatus.PREFILL):
+            return self.num_tokens - self.num_computed
+        return 0
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Worst-case token slots: what admission checks and `add` reserves."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int  # decode sequences per tick
+    max_prefill_tokens_per_tick: int
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_prefill_tokens_per_tick < 1:
+            raise ValueError(
+                f"max_prefill_tokens_per_tick must be >= 1, got {self.max_prefill_tokens_per_tick}"
+            )
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode token: input all_ids[-1] at `position`, attends over `context_len` slots."""
+
+    seq: Sequence
+    token_id: int
+    position: int  # == context_len - 1
+    context_len: int
+    block_table: list[int]  # covers context_len slots
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Feeds all_ids[start:start+length] at positions start..start+length-1."""
+
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool  # this chunk ends the prefill: sample the first token from its last logits
+    block_table: list[int]  # covers context_len slots
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.length
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_ids[self.start : self.start + self.length]
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    decode: list[DecodeStep]
+    prefill: list[PrefillChunk]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.length for c in self.prefill)
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """Sessions that must get a sampled token in `complete_tick`, in plan order."""
+        ids = [d.seq.session_id for d in self.decode]
+        return ids + [c.seq.session_id for c in self.prefill if c.samples]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self._seqs: dict[str, Sequence] = {}
+        self._waiting: deque[Sequence] = deque()  # WAITING/PREFILL, FIFO; only the head is partial
+        self._running: deque[Sequence] = deque()  # DECODE, rotated when over max_batch_size
+        self._in_flight: TickPlan | None = None
+
+    # ---- membership -------------------------------------------------------------
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def get(self, session_id: str) -> Sequence:
+        return self._seqs[session_id]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._seqs
+
+    def add(self, seq: Sequence) -> None:
+        """Take an admitted session and reserve its worst-case KV (raises if it cannot)."""
+        if seq.status is not SeqStatus.WAITING or seq.num_computed != 0:
+            raise ValueError(f"{seq.session_id!r}: add() takes a fresh WAITING sequence")
+        if not seq.prompt_ids or seq.remaining_new_tokens < 1:
+            raise ValueError(
+                f"{seq.session_id!r}: needs a prompt and >= 1 token left to generate"
+                f" (prompt {len(seq.prompt_ids)}, {len(seq.output_ids)}/{seq.max_new_tokens} done)"
+            )
+        self.blocks.reserve(seq.session_id, seq.max_kv_tokens)
+        self._seqs[seq.session_id] = seq
+        self._waiting.append(seq)
+
+    # ---- one tick -----------------------------------------------------------------
+
+    def schedule(self) -> TickPlan:
+        """Plan the next forward pass and ensure KV blocks for every scheduled token."""
+        assert self._in_flight is None, "schedule() called twice without complete_tick()"
+        decode: list[DecodeStep] = []
+        take = min(len(self._running), self.config.max_batch_size)
+        for seq in list(self._running)[:take]:
+            n = seq.num_tokens
+            assert seq.num_computed == n - 1
+            table = self.blocks.ensure(seq.session_id, n)
+            decode.append(DecodeStep(seq, seq.output_ids[-1], n - 1, n, table))
+        # Round robin: the ones served now go to the back of the line.
+        self._running.rotate(-take)
+
+        prefill: list[PrefillChunk] = []
+        budget = self.config.max_prefill_tokens_per_tick
+        for seq in self._waiting:
+            if budget == 0:
+                break
+            length = min(seq.prefill_remaining, budget)
+            start = seq.num_computed
+            table = self.blocks.ensure(seq.session_id, start + length)
+            samples = start + length == seq.num_tokens
+            prefill.append(PrefillChunk(seq, start, length, samples, table))
+            budget -= length
+
+        plan = TickPlan(decode, prefill)
+        self._in_flight = None if plan.is_empty else plan
+        return plan
+
+    def complete_tick(self, plan: TickPlan, sampled: Mapping[str, int]) -> list[Sequence]:
+        """Record that `plan` ran: advance the cache, append sampled tokens.
+
+        `sampled` maps every id in `plan.sampling_ids` to its new token. Sessions
+        finished or aborted while the plan ran are skipped. Returns the sequences
+        that just used their last token of `max_new_tokens`; they are already
+        FINISHED with reason LENGTH and their KV is freed.
+        """
+        if plan.is_empty:
+            return []
+        assert plan is self._in_flight, "complete_tick() for a plan that is not in flight"
+        self._in_flight = None
+        for step in plan.decode:
+            seq = step.seq
+            if self._seqs.get(seq.session_id) is not seq:
+                continue
+            seq.num_computed = step.context_len
+            seq.output_ids.append(sampled[seq.session_id])
+        for chunk in plan.prefill:
+            seq = chunk.seq
+            if self._seqs.get(seq.session_id) is not seq:
+                continue
+            seq.num_computed = chunk.context_len
+            if not chunk.samples:
+                seq.status = SeqStatus.PREFILL
+                continue
+            seq.output_ids.append(sampled[seq.session_id])
+            seq.status = SeqStatus.DECODE
+            self._waiting.remove(seq)
+            self._running.append(seq)
+        done = [s for s in self._running if s.remaining_new_tokens <= 0]
+        for seq in done:
+            self.finish(seq.session_id, FinishReason.LENGTH)
+        return done
+
+    def discard_tick(self, plan: TickPlan) -> None:
+        """Forget a plan whose forward pass failed: nothing advances, blocks stay ensured."""
+        assert plan.is_empty or plan is self._in_flight
+        self._in_flight = None
+
+    # ---- endings ------------------------------------------------------------------
+
+    def finish(self, session_id: str, reason: FinishReason = FinishReason.STOP) -> Sequence:
+        """End a session in any state, free its KV, and return it marked FINISHED."""
+        seq = self._seqs.pop(session_id)
+        if seq.status is SeqStatus.DECODE:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.blocks.free(session_id)
+        return seq
+
+    def abort(self, session_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence:
+        """`finish` for sessions ended from outside (cancel, deadline, error)."""
+        return self.finish(session_id, reason)
