@@ -13,6 +13,7 @@ fleet targets a single Redis (with a replica) today.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "tokenfleet:"
@@ -26,6 +27,21 @@ EVENTS_MAXLEN = 10_000  # replay stream entries kept (≥ MAX_NEW_TOKENS + 1)
 CANCEL_TTL_S = 24 * 3600  # cancel flag
 WORKER_TTL_S = 5  # worker hash = heartbeat: a worker silent this long is presumed dead
 DEAD_LETTERS_MAXLEN = 100_000  # dead-letter stream, approximately trimmed (oldest go first)
+
+# No ":" in job ids: per-job keys append ":suffix" to the id, so ids can't collide.
+JOB_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+_JOB_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def valid_job_id(job_id: str) -> bool:
+    return _JOB_ID_RE.fullmatch(job_id) is not None
+
+
+def _checked(job_id: str) -> str:
+    if not valid_job_id(job_id):
+        raise ValueError(f"invalid job id {job_id!r}: it must match {JOB_ID_PATTERN}")
+    return job_id
+
 
 DEFAULT_QUEUE_CAP = 1000
 GROUP = "workers"  # the one consumer group every worker of a jobs stream joins
@@ -58,23 +74,23 @@ class Keys:
     # --- one job ---------------------------------------------------------
     def job(self, job_id: str) -> str:
         """Hash: status, stream, entry id, submitted_at, worker, finish reason. JOB_STATE_TTL_S."""
-        return f"{self.prefix}job:{job_id}"
+        return f"{self.prefix}job:{_checked(job_id)}"
 
     def events(self, job_id: str) -> str:
         """Stream: the job's events (msgpack in field 'm'), for replay. EVENTS_TTL_S."""
-        return f"{self.prefix}job:{job_id}:events"
+        return f"{self.prefix}job:{_checked(job_id)}:events"
 
     def channel(self, job_id: str) -> str:
         """Pub/sub channel: the same events, live (at most once)."""
-        return f"{self.prefix}job:{job_id}:live"
+        return f"{self.prefix}job:{_checked(job_id)}:live"
 
     def result(self, job_id: str) -> str:
         """String: msgpack JobResult. RESULT_TTL_S."""
-        return f"{self.prefix}job:{job_id}:result"
+        return f"{self.prefix}job:{_checked(job_id)}:result"
 
     def cancel(self, job_id: str) -> str:
         """String flag '1': the client asked to cancel. CANCEL_TTL_S."""
-        return f"{self.prefix}job:{job_id}:cancel"
+        return f"{self.prefix}job:{_checked(job_id)}:cancel"
 
     # --- the fleet -------------------------------------------------------
     def worker(self, name: str) -> str:

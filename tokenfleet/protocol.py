@@ -14,7 +14,6 @@ reference for them):
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
@@ -23,12 +22,13 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenfleet.errors import ProtocolError
+from tokenfleet.keys import JOB_ID_PATTERN, valid_job_id
 from tokenfleet.reasons import FinishReason
 
 SCHEMA_VERSION: Final = 1
 
 # Hard limits. Changing one is a protocol change: update docs/protocol.md.
-MAX_PAYLOAD_BYTES = 256 * 1024  # one encoded job
+MAX_PAYLOAD_BYTES = 512 * 1024  # one encoded job: room for every field at its limit
 MAX_PROMPT_CHARS = 64 * 1024  # prompt text, in characters
 MAX_PROMPT_TOKENS = 16 * 1024  # prompt_ids length
 MAX_NEW_TOKENS = 8192
@@ -41,9 +41,7 @@ MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
 MAX_SEED = 2**63 - 1
 
-JOB_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"  # no ":": keys append ":suffix" to ids
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-_JOB_ID_RE = re.compile(JOB_ID_PATTERN)
 
 
 class DecodeReason(StrEnum):
@@ -63,7 +61,8 @@ def new_job_id() -> str:
 
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-MetaValue = str | int | float | bool | None
+MetaInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what msgpack can carry
+MetaValue = str | MetaInt | float | bool | None
 
 
 class _Message(BaseModel):
@@ -102,6 +101,7 @@ class GenerationRequest(_Message):
         default_factory=list, max_length=MAX_STOP_STRINGS
     )
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False  # keep generating past the model's end-of-sequence tokens
     deadline: float | None = Field(default=None, ge=0.0, description="unix time, seconds")
     model: Annotated[str, Field(pattern=MODEL_NAME_PATTERN)] | None = None
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
@@ -179,7 +179,7 @@ class JobResult(_Message):
     v: Literal[1] = SCHEMA_VERSION
     job_id: JobId
     text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
+    token_ids: list[TokenId] = Field(default_factory=list)
     finish_reason: FinishReason
     usage: Usage = Field(default_factory=Usage)
     timings: Timings = Field(default_factory=Timings)
@@ -219,11 +219,10 @@ def _unpack(data: bytes, *, allow_json: bool) -> dict[str, Any]:
         ) from None
     if not isinstance(obj, dict):
         raise ProtocolError(DecodeReason.NOT_A_MAP, f"expected a map, got {type(obj).__name__}")
-    job_id = obj.get("job_id")
-    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
+    readable_id = _readable_id(obj)
     if "v" not in obj:
         raise ProtocolError(DecodeReason.MISSING_VERSION, "field 'v' is missing", readable_id)
-    if obj["v"] != SCHEMA_VERSION or isinstance(obj["v"], bool):
+    if type(obj["v"]) is not int or obj["v"] != SCHEMA_VERSION:
         raise ProtocolError(
             DecodeReason.UNKNOWN_VERSION,
             f"schema version {obj['v']!r} is not supported (this side speaks {SCHEMA_VERSION})",
@@ -237,16 +236,21 @@ def _invalid(exc: ValidationError, obj: dict[str, Any]) -> ProtocolError:
     for err in exc.errors(include_url=False)[:5]:
         where = ".".join(str(p) for p in err["loc"]) or "(message)"
         problems.append(f"{where}: {err['msg']}")
+    return ProtocolError(DecodeReason.INVALID_FIELD, "; ".join(problems), _readable_id(obj))
+
+
+def _readable_id(obj: dict[str, Any]) -> str | None:
+    """The map's job id when it is a valid one (so the job's client can be told)."""
     job_id = obj.get("job_id")
-    readable_id = job_id if isinstance(job_id, str) and _JOB_ID_RE.match(job_id) else None
-    return ProtocolError(DecodeReason.INVALID_FIELD, "; ".join(problems), readable_id)
+    return job_id if isinstance(job_id, str) and valid_job_id(job_id) else None
 
 
-def _validate(model: type[M], obj: dict[str, Any]) -> M:
+def _validate(model: type[M], obj: dict[str, Any], message: dict[str, Any] | None = None) -> M:
+    """Validate `obj` as `model`; `message` is the decoded map errors report on."""
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        raise _invalid(exc, obj) from None
+        raise _invalid(exc, obj if message is None else message) from None
     except Exception as exc:  # a validator tripping on a hostile shape is still bad input
         raise ProtocolError(DecodeReason.INVALID_FIELD, str(exc)[:500]) from None
 
@@ -258,7 +262,7 @@ def decode_request(data: bytes) -> GenerationRequest:
 
 def decode_event(data: bytes) -> TokenEvent | FinishEvent:
     obj = _unpack(data, allow_json=False)
-    return _validate(_EventEnvelope, {"event": obj}).event
+    return _validate(_EventEnvelope, {"event": obj}, obj).event
 
 
 def decode_result(data: bytes) -> JobResult:
