@@ -1,0 +1,426 @@
+"""The engine: admission + scheduler + model + sampling, one tick at a time, no Redis.
+
+    engine = Engine(load_model("tiny-random"), EngineConfig())
+    engine.submit(GenerationRequest(prompt="hi", max_new_tokens=8))
+    while engine.has_work:
+        out = engine.step()   # token events of this tick, then jobs that ended
+
+A tick is ONE forward pass: every decoding session's next token, then bounded
+prefill chunks of new sessions (see `scheduler.py`). A failure inside the
+forward is retried with each session alone, so one bad job fails itself, not
+its batch. Every terminal outcome (finish, rejection, cancel, deadline,
+error) comes out of `step()` as a `Finished`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
+from tokenfleet.kv import KVLayout
+from tokenfleet.model import LoadedModel, Sampler, SamplingState, SeqInput
+from tokenfleet.model.detokenizer import IncrementalDetokenizer
+from tokenfleet.protocol import ErrorInfo, FinishEvent, GenerationRequest, JobResult, TokenEvent
+from tokenfleet.reasons import AdmissionReason, FinishReason
+from tokenfleet.worker.scheduler import (
+    DecodeStep,
+    PrefillChunk,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    TickPlan,
+)
+from tokenfleet.worker.session import Session
+from tokenfleet.worker.telemetry import EngineStats
+
+MiB = 1024 * 1024
+FaultHook = Callable[[Session], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A node's knobs; `budget()` turns them into a validated `NodeBudget` for a model."""
+
+    kv_budget_bytes: int = 256 * MiB
+    max_active: int = 64
+    max_batch_size: int = 32
+    max_prefill_tokens_per_tick: int = 256
+    max_waiting: int = 4
+    block_size: int = 16
+    scratch_budget_bytes: int | None = None  # None: enough for max_active sessions' worst case
+
+    def budget(self, loaded: LoadedModel) -> NodeBudget:
+        cfg = loaded.config
+        dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+        layout = KVLayout(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes, self.block_size
+        )
+        max_tokens = layout.num_blocks_for_budget(self.kv_budget_bytes) * self.block_size
+        per_session = session_scratch_bytes(loaded, max(1, max_tokens))
+        total = self.scratch_budget_bytes
+        if total is None:
+            total = per_session * self.max_active
+        return NodeBudget(
+            weight_bytes=loaded.weight_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
+            scratch_per_session_bytes=min(per_session, total),
+            scratch_total_bytes=total,
+            max_active=self.max_active,
+            max_batch_size=self.max_batch_size,
+            max_prefill_tokens_per_tick=self.max_prefill_tokens_per_tick,
+            layout=layout,
+            max_waiting=self.max_waiting,
+        )
+
+
+def session_scratch_bytes(loaded: LoadedModel, kv_tokens: int) -> int:
+    """A session's share of activation memory: one decode token attending over its whole
+    context (gathered K/V, scores, its logits row and sampling buffers)."""
+    dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+    return loaded.config.scratch_bytes(
+        1, context_len=kv_tokens, logit_rows=1, dtype_bytes=dtype_bytes
+    )
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A job that ended: its terminal event and the result to store."""
+
+    event: FinishEvent
+    result: JobResult
+
+    @property
+    def job_id(self) -> str:
+        return self.event.job_id
+
+
+@dataclass
+class StepOutput:
+    tokens: list[TokenEvent] = field(default_factory=list)  # in session order, by index
+    finished: list[Finished] = field(default_factory=list)
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+
+
+class Engine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig | None = None,
+        *,
+        worker: str | None = None,
+        clock: Callable[[], float] = time.time,
+        fault: FaultHook | None = None,
+    ) -> None:
+        self.loaded = loaded
+        self.config = config or EngineConfig()
+        self.budget = self.config.budget(loaded)
+        self.worker = worker
+        self.clock = clock
+        self.fault = fault  # fault injection for tests: raise inside the forward of a session
+        self.admission = Admission(self.budget)
+        self.blocks = self.budget.new_block_manager()
+        self.kv = loaded.model.new_kv_pool(self.budget.num_kv_blocks, self.budget.layout.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.budget.max_batch_size, self.budget.max_prefill_tokens_per_tick),
+            self.blocks,
+        )
+        self.sampler = Sampler()
+        self.stats = EngineStats(self.budget.max_batch_size)
+        self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
+        self.waiting: deque[Session] = deque()  # queued locally until they fit
+        self._ended: list[Finished] = []  # outcomes decided between ticks
+        eos = () if loaded.tokenizer is None else loaded.tokenizer.eos_token_ids
+        self._eos = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
+
+    # ---- jobs in ---------------------------------------------------------------
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        *,
+        resume_ids: list[int] | None = None,
+        submitted_at: float | None = None,
+    ) -> AdmissionDecision:
+        """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
+        already emitted (indices 0..n-1): the job continues at index n.
+
+        A rejection is also returned by the next `step()` as a `Finished` with
+        reason `rejected`, so a caller only has to publish what `step()` returns;
+        except `rejected_duplicate`: the copy already here finishes the job.
+        """
+        now = self.clock()
+        try:
+            session = self._new_session(request, submitted_at or now)
+        except ValueError as exc:
+            return self._reject(request, AdmissionReason.REJECTED_INVALID, str(exc), now)
+        for token in resume_ids or []:
+            _, ended = session.accept(token)
+            if ended is not None:  # everything was emitted; only the finish event is missing
+                self._end(session, ended, now)
+                return AdmissionDecision(AdmissionReason.ADMITTED, "resumed job was complete")
+        decision = self.admission.decide(
+            self._admission_request(session),
+            active_ids=self.sessions.keys(),
+            waiting_ids={s.job_id for s in self.waiting},
+            kv=self.blocks,
+            scratch_in_use=self.scratch_in_use,
+        )
+        if decision.reason is AdmissionReason.ADMITTED:
+            self._start(session, now)
+        elif decision.reason is AdmissionReason.QUEUED:
+            self.waiting.append(session)
+        elif decision.reason is AdmissionReason.REJECTED_DUPLICATE:
+            # The job is already here: its one terminal event belongs to that copy.
+            self.stats.record_rejection(decision.reason)
+        else:
+            self._reject(request, decision.reason, decision.message, now)
+        return decision
+
+    def cancel(self, job_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
+        """End a job now (freeing its KV); its `Finished` comes out of the next `step()`."""
+        now = self.clock()
+        session = self.sessions.get(job_id)
+        if session is None:
+            session = next((s for s in self.waiting if s.job_id == job_id), None)
+            if session is None:
+                return False
+        self._end(session, reason, now)
+        return True
+
+    def room(self) -> int:
+        """How many more jobs to pull now without overfilling the local waiting list."""
+        return self.admission.room(
+            active_count=len(self.sessions), waiting_count=len(self.waiting), kv=self.blocks
+        )
+
+    # ---- one tick ----------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """Expire deadlines, start waiting jobs that fit, run one tick, post-process."""
+        now = self.clock()
+        self._expire(now)
+        self._promote(now)
+        out = StepOutput()
+        plan = self.scheduler.schedule()
+        if not plan.is_empty:
+            started = time.perf_counter()
+            self._run_tick(plan, out)
+            self.stats.record_tick(
+                time.perf_counter() - started,
+                decode_batch=len(plan.decode),
+                prefill_tokens=plan.num_prefill_tokens,
+                decode_tokens=plan.num_decode_tokens,
+            )
+            out.decode_tokens, out.prefill_tokens = plan.num_decode_tokens, plan.num_prefill_tokens
+        out.finished.extend(self._ended)
+        self._ended = []
+        return out
+
+    def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
+        entries: list[DecodeStep | PrefillChunk] = [*plan.decode, *plan.prefill]
+        rows = self._forward(entries)  # session id -> logits row [vocab], for samplers only
+        sampled_ids = [sid for sid in plan.sampling_ids if sid in rows]
+        tokens: dict[str, int] = {}
+        if sampled_ids:
+            logits = torch.stack([rows[sid] for sid in sampled_ids])  # [S, vocab]
+            states = [self.sessions[sid].sampling for sid in sampled_ids]
+            tokens = dict(zip(sampled_ids, self.sampler.sample(logits, states), strict=True))
+        self.scheduler.complete_tick(plan, tokens)  # frees sessions that reached max_new_tokens
+        now = self.clock()
+        for sid, token in tokens.items():
+            session = self.sessions[sid]
+            try:
+                event, ended = session.accept(token)
+            except Exception as exc:  # one job's text handling must not take the batch down
+                self._end(session, FinishReason.ERROR, now, _error("postprocess", exc))
+                continue
+            if event is not None:
+                if session.first_token_at is None:
+                    session.first_token_at = now
+                out.tokens.append(event)
+            if ended is not None:
+                self._end(session, ended, now)
+
+    def _forward(self, entries: list[DecodeStep | PrefillChunk]) -> dict[str, torch.Tensor]:
+        """Logits of each entry's last token; on failure, retry entries one by one and
+        fail only the sessions whose own forward fails."""
+        try:
+            logits = self._run_model(entries)
+            return {e.seq.session_id: logits[i] for i, e in enumerate(entries)}
+        except Exception:
+            pass
+        rows: dict[str, torch.Tensor] = {}
+        now = self.clock()
+        for entry in entries:
+            try:
+                rows[entry.seq.session_id] = self._run_model([entry])[0]
+            except Exception as exc:
+                session = self.sessions[entry.seq.session_id]
+                self._end(session, FinishReason.ERROR, now, _error("engine", exc))
+        return rows
+
+    def _run_model(self, entries: list[DecodeStep | PrefillChunk]) -> torch.Tensor:
+        if self.fault is not None:
+            for entry in entries:
+                self.fault(self.sessions[entry.seq.session_id])
+        ids: list[int] = []
+        seqs: list[SeqInput] = []
+        for entry in entries:
+            if isinstance(entry, DecodeStep):
+                ids.append(entry.token_id)
+                seqs.append(SeqInput(entry.block_table, entry.position, 1))
+            else:
+                ids.extend(entry.token_ids)
+                seqs.append(SeqInput(entry.block_table, entry.start, entry.length))
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        return self.loaded.model.forward(input_ids, seqs, self.kv)  # [len(entries), vocab]
+
+    # ---- lifecycle -----------------------------------------------------------------
+
+    def _new_session(self, request: GenerationRequest, submitted_at: float) -> Session:
+        tokenizer = self.loaded.tokenizer
+        if request.prompt_ids is not None:
+            prompt_ids = list(request.prompt_ids)
+        elif tokenizer is None:
+            raise ValueError("this model has no tokenizer: send prompt_ids instead of prompt text")
+        else:
+            prompt_ids = tokenizer.encode(request.prompt or "")
+        vocab = self.loaded.config.vocab_size
+        if not prompt_ids:
+            raise ValueError("the prompt encodes to zero tokens")
+        bad = [t for t in prompt_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        s = request.sampling
+        stop_ids = frozenset(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self._eos
+        detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids)
+        return Session(
+            request=request,
+            prompt_ids=prompt_ids,
+            sampling=SamplingState.from_params(s.temperature, s.top_k, s.top_p, s.seed),
+            detok=detok,
+            stop_ids=stop_ids,
+            submitted_at=submitted_at,
+            scratch_bytes=session_scratch_bytes(
+                self.loaded, len(prompt_ids) + request.max_new_tokens
+            ),
+        )
+
+    def _admission_request(self, session: Session) -> AdmissionRequest:
+        return AdmissionRequest(
+            job_id=session.job_id,
+            prompt_tokens=len(session.prompt_ids),
+            max_new_tokens=session.max_new_tokens,
+            scratch_bytes=session.scratch_bytes,
+        )
+
+    def _start(self, session: Session, now: float) -> None:
+        # A resumed session's sampler skips the uniforms its emitted tokens used.
+        s = session.request.sampling
+        session.sampling = SamplingState.from_params(
+            s.temperature, s.top_k, s.top_p, session.sampling.seed, draws=len(session.emitted)
+        )
+        session.seq = Sequence(
+            session.job_id,
+            session.prompt_ids,
+            session.max_new_tokens,
+            output_ids=list(session.emitted),
+        )
+        self.scheduler.add(session.seq)
+        session.admitted_at = now
+        self.sessions[session.job_id] = session
+
+    def _promote(self, now: float) -> None:
+        while self.waiting and self.admission.fits_now(
+            self._admission_request(self.waiting[0]),
+            active_count=len(self.sessions),
+            kv=self.blocks,
+            scratch_in_use=self.scratch_in_use,
+        ):
+            self._start(self.waiting.popleft(), now)
+
+    def _expire(self, now: float) -> None:
+        expired = [
+            s
+            for s in (*self.sessions.values(), *self.waiting)
+            if s.request.deadline is not None and s.request.deadline <= now
+        ]
+        for session in expired:
+            self._end(session, FinishReason.DEADLINE, now)
+
+    def _end(
+        self, session: Session, reason: FinishReason, now: float, error: ErrorInfo | None = None
+    ) -> None:
+        """Take a session out of the engine (KV freed) and queue its terminal outcome."""
+        if self.sessions.pop(session.job_id, None) is not None:
+            if session.job_id in self.scheduler:
+                self.scheduler.abort(session.job_id, reason)
+        elif session in self.waiting:
+            self.waiting.remove(session)
+        event, result = session.finish(reason, now, self.worker, error)
+        self.stats.record_finish(reason)
+        self._ended.append(Finished(event, result))
+
+    def _reject(
+        self, request: GenerationRequest, reason: AdmissionReason, message: str, now: float
+    ) -> AdmissionDecision:
+        self.stats.record_rejection(reason)
+        error = ErrorInfo(reason=str(reason), message=message[:4096])
+        event = FinishEvent(
+            job_id=request.job_id, reason=FinishReason.REJECTED, error=error, worker=self.worker
+        )
+        result = JobResult(
+            job_id=request.job_id,
+            finish_reason=FinishReason.REJECTED,
+            error=error,
+            worker=self.worker,
+        )
+        self._ended.append(Finished(event, result))
+        return AdmissionDecision(reason, message)
+
+    # ---- state -------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.sessions or self.waiting or self._ended)
+
+    @property
+    def scratch_in_use(self) -> int:
+        return sum(s.scratch_bytes for s in self.sessions.values())
+
+    @property
+    def kv_used_bytes(self) -> int:
+        return self.blocks.num_allocated_blocks * self.budget.layout.bytes_per_block
+
+    @property
+    def max_job_tokens(self) -> int:
+        """The largest prompt + max_new_tokens this node could ever hold."""
+        return self.budget.max_tokens_per_session
+
+    def telemetry(self) -> dict[str, object]:
+        """JSON-safe snapshot: sessions, occupancy, KV/scratch pressure, rates, tick times."""
+        snap: dict[str, object] = dict(
+            self.stats.snapshot(
+                active=len(self.sessions),
+                waiting=len(self.waiting),
+                kv_used_bytes=self.kv_used_bytes,
+                kv_budget_bytes=self.budget.num_kv_blocks * self.budget.layout.bytes_per_block,
+                scratch_used=self.scratch_in_use,
+                scratch_budget=self.budget.scratch_total_bytes,
+            )
+        )
+        snap["weight_bytes"] = self.budget.weight_bytes
+        snap["max_job_tokens"] = self.max_job_tokens
+        return snap
+
+
+def _error(where: str, exc: BaseException) -> ErrorInfo:
+    return ErrorInfo(reason=f"{where}_error", message=f"{type(exc).__name__}: {exc}"[:4096])
