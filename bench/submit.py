@@ -24,14 +24,18 @@ def run(url: str, jobs: int, batch: int) -> dict[str, object]:
     client = redis.Redis.from_url(url)
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     producer = Producer(client, keys=Keys(prefix), default_cap=jobs * 3)
-    requests = [GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)]
+    requests = [
+        GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)
+    ]
 
     start = time.perf_counter()
     for req in requests:
         producer.submit(req)
     single_s = time.perf_counter() - start
 
-    requests = [GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)]
+    requests = [
+        GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)
+    ]
     start = time.perf_counter()
     for i in range(0, jobs, batch):
         outcomes = producer.submit_many(requests[i : i + batch])

@@ -126,6 +126,105 @@ def submit(
         raise fail(str(exc)) from None
 
 
+@app.command()
+def worker(
+    model: Annotated[
+        str, typer.Option("--model", help="preset (tiny-random) or checkpoint folder")
+    ] = "tiny-random",
+    model_name: Annotated[
+        str | None,
+        typer.Option("--model-name", help="jobs naming this model are served (default stream)"),
+    ] = None,
+    device: Annotated[str, typer.Option(help="cpu, cuda or auto")] = "auto",
+    dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
+    kv_mb: Annotated[int, typer.Option("--kv-mb", help="KV cache budget, MiB")] = 256,
+    max_batch: Annotated[int, typer.Option("--max-batch", help="decode sessions per tick")] = 32,
+    max_active: Annotated[int, typer.Option("--max-active", help="sessions holding KV")] = 64,
+    prefill_tokens: Annotated[
+        int, typer.Option("--prefill-tokens", help="prefill tokens per tick")
+    ] = 256,
+    max_waiting: Annotated[int, typer.Option("--max-waiting", help="local waiting list")] = 4,
+    name: Annotated[str | None, typer.Option("--name", help="worker name (unique)")] = None,
+    burst: Annotated[
+        bool, typer.Option("--burst", help="exit 0 once the stream is empty and nothing runs")
+    ] = False,
+    max_deliveries: Annotated[int, typer.Option("--max-deliveries")] = 3,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="seconds")] = 30.0,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
+    fault_key: Annotated[
+        str | None,
+        typer.Option(
+            "--inject-fault-on-metadata",
+            hidden=True,
+            help="tests only: fail the forward of jobs whose metadata has this key",
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """Serve jobs from the fleet's stream with one continuous-batching engine."""
+    import logging
+    import platform
+
+    import redis
+    import torch
+
+    from tokenfleet.model import load_model
+    from tokenfleet.worker.engine import Engine, EngineConfig
+    from tokenfleet.worker.loop import Worker, WorkerOptions, default_worker_name
+    from tokenfleet.worker.session import Session
+
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    conf = settings(redis_url, prefix)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        loaded = load_model(model, dtype=dtype, device=device)
+    except TokenfleetError as exc:
+        raise fail(str(exc)) from None
+
+    def inject(session: Session) -> None:
+        if fault_key is not None and fault_key in session.request.metadata:
+            raise RuntimeError(f"injected fault (metadata key {fault_key!r})")
+
+    worker_name = name or default_worker_name()
+    config = EngineConfig(
+        kv_budget_bytes=kv_mb * 1024 * 1024,
+        max_active=max_active,
+        max_batch_size=max_batch,
+        max_prefill_tokens_per_tick=prefill_tokens,
+        max_waiting=max_waiting,
+    )
+    try:
+        engine = Engine(
+            loaded, config, worker=worker_name, fault=inject if fault_key is not None else None
+        )
+    except ValueError as exc:
+        raise fail(f"invalid budget: {exc}") from None
+    options = WorkerOptions(
+        name=worker_name,
+        model=model_name,
+        burst=burst,
+        max_deliveries=max_deliveries,
+        drain_timeout_s=drain_timeout,
+        info={
+            "model": model_name or "default",
+            "checkpoint": model,
+            "device": str(loaded.device),
+            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "host": platform.node(),
+        },
+    )
+    client = redis.Redis.from_url(conf.redis_url, socket_timeout=10, health_check_interval=5)
+    runner = Worker(engine, client, Keys(conf.prefix), options)
+    runner.install_signal_handlers()
+    raise typer.Exit(code=runner.run())
+
+
 def main() -> None:
     app()
 

@@ -146,13 +146,17 @@ class Engine:
         *,
         resume_ids: list[int] | None = None,
         submitted_at: float | None = None,
+        hold_if_full: bool = False,
     ) -> AdmissionDecision:
         """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
         already emitted (indices 0..n-1): the job continues at index n.
 
         A rejection is also returned by the next `step()` as a `Finished` with
         reason `rejected`, so a caller only has to publish what `step()` returns;
-        except `rejected_duplicate`: the copy already here finishes the job.
+        except `rejected_duplicate`: the copy already here finishes the job, and
+        with `hold_if_full`, `rejected_queue_full`: the caller keeps the job and
+        offers it again later (a worker whose node is full is not a reason to
+        fail a job the rest of the fleet could serve).
         """
         now = self.clock()
         try:
@@ -175,6 +179,8 @@ class Engine:
             self._start(session, now)
         elif decision.reason is AdmissionReason.QUEUED:
             self.waiting.append(session)
+        elif decision.reason is AdmissionReason.REJECTED_QUEUE_FULL and hold_if_full:
+            pass
         elif decision.reason is AdmissionReason.REJECTED_DUPLICATE:
             # The job is already here: its one terminal event belongs to that copy.
             self.stats.record_rejection(decision.reason)
