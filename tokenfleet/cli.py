@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Annotated
 
@@ -223,6 +224,173 @@ def worker(
     runner = Worker(engine, client, Keys(conf.prefix), options)
     runner.install_signal_handlers()
     raise typer.Exit(code=runner.run())
+
+
+@app.command()
+def demo(
+    jobs: Annotated[int, typer.Option("--jobs", help="how many jobs to submit")] = 12,
+    workers: Annotated[int, typer.Option("--workers", help="worker processes")] = 2,
+    producers: Annotated[int, typer.Option("--producers", help="producer threads")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 48,
+    live: Annotated[bool, typer.Option("--live/--no-live", help="live view or plain lines")] = True,
+    redis_url: Annotated[
+        str | None, typer.Option("--redis-url", help="use this Redis instead of an embedded one")
+    ] = None,
+    prefix: Prefix = None,
+) -> None:
+    """Run a whole fleet locally: embedded Redis, workers, producers, a live view."""
+    from tokenfleet.demo import run_demo
+
+    conf = settings(None, prefix)
+    code = run_demo(
+        redis_url=redis_url,
+        prefix=conf.prefix,
+        jobs=jobs,
+        workers=workers,
+        producers=max(1, min(producers, jobs)),
+        max_new_tokens=max_new_tokens,
+        live=live,
+    )
+    raise typer.Exit(code=code)
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="refresh every second")] = False,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """Queue depth, waiting vs in flight, dead letters, and every live worker."""
+    import time
+
+    import redis
+    from rich.console import Console
+    from rich.live import Live
+
+    from tokenfleet.status import fleet_status, render_status
+
+    conf = settings(redis_url, prefix)
+    client = redis.Redis.from_url(conf.redis_url)
+    keys = Keys(conf.prefix)
+    if as_json:
+        typer.echo(json.dumps(fleet_status(client, keys)))
+        return
+    console = Console()
+    if not watch:
+        console.print(render_status(fleet_status(client, keys)))
+        return
+    with Live(render_status(fleet_status(client, keys)), console=console) as screen:
+        try:
+            while True:
+                time.sleep(1)
+                screen.update(render_status(fleet_status(client, keys)))
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def top(redis_url: RedisUrl = None, prefix: Prefix = None) -> None:
+    """Full-screen live view of the queues and the fleet (Ctrl-C to quit)."""
+    import time
+
+    import redis
+    from rich.console import Console
+    from rich.live import Live
+
+    from tokenfleet.status import fleet_status, render_status
+
+    conf = settings(redis_url, prefix)
+    client = redis.Redis.from_url(conf.redis_url)
+    keys = Keys(conf.prefix)
+    with Live(render_status(fleet_status(client, keys)), console=Console(), screen=True) as screen:
+        try:
+            while True:
+                time.sleep(1)
+                screen.update(render_status(fleet_status(client, keys)))
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def up(
+    workers: Annotated[int, typer.Option("--workers", help="worker processes")] = 2,
+    model: Annotated[
+        str, typer.Option("--model", help="preset or checkpoint folder")
+    ] = "tiny-random",
+    threads: Annotated[int, typer.Option("--threads", help="torch threads per worker")] = 1,
+    embedded: Annotated[
+        bool, typer.Option("--embedded", help="start an embedded Redis instead of --redis-url")
+    ] = False,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """Run a local multi-process fleet without Docker; Ctrl-C drains it and exits."""
+    import signal
+    import threading
+
+    from tokenfleet.local import LocalWorkers, redis_for
+
+    conf = settings(redis_url, prefix)
+    stop = threading.Event()
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    with redis_for(None if embedded else conf.redis_url) as (url, kind):
+        fleet = LocalWorkers(url, conf.prefix, ["--model", model, "--threads", str(threads)])
+        names = fleet.start(workers, name_prefix="up")
+        typer.echo(f"fleet up: {len(names)} worker(s) on {url} ({kind}); Ctrl-C drains and stops")
+        while not stop.wait(0.5):
+            if not fleet.alive():
+                typer.echo("every worker has exited", err=True)
+                break
+        typer.echo("draining: in-flight jobs finish, the rest are handed back")
+        codes = fleet.drain()
+    failed = {name: code for name, code in codes.items() if code != 0}
+    typer.echo(f"stopped {len(codes)} worker(s)" + (f"; failures: {failed}" if failed else ""))
+    raise typer.Exit(code=1 if failed else 0)
+
+
+@app.command("dead-letters")
+def dead_letters(
+    requeue: Annotated[
+        list[str] | None,
+        typer.Option("--requeue", help="dead-letter entry id to submit again (repeatable)"),
+    ] = None,
+    count: Annotated[int, typer.Option("--count", help="entries to list")] = 20,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
+) -> None:
+    """List dead-lettered jobs (newest first), or submit chosen ones again."""
+    import redis
+
+    from tokenfleet.deadletters import list_dead_letters, requeue_dead_letter
+
+    conf = settings(redis_url, prefix)
+    client = redis.Redis.from_url(conf.redis_url)
+    keys = Keys(conf.prefix)
+    if requeue:
+        for entry_id in requeue:
+            try:
+                job_id = requeue_dead_letter(client, keys, entry_id, default_cap=conf.queue_cap)
+            except TokenfleetError as exc:
+                raise fail(str(exc)) from None
+            typer.echo(f"{entry_id}: job {job_id} submitted again")
+        return
+    entries = list_dead_letters(client, keys, count)
+    if as_json:
+        typer.echo(json.dumps(entries))
+        return
+    for e in entries:
+        typer.echo(
+            f"{e['id']}  job={e['job_id'] or '-'}  reason={e['reason']}  "
+            f"deliveries={e['deliveries']}  {e['message'][:100]}"
+        )
+    typer.echo(f"{client.xlen(keys.dead_letters())} dead letter(s) in {keys.dead_letters()}")
 
 
 def main() -> None:

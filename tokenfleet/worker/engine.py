@@ -199,6 +199,16 @@ class Engine:
         self._end(session, reason, now)
         return True
 
+    def replay_events(self, job_id: str) -> list[TokenEvent]:
+        """Every token event a running job has produced so far, to send again."""
+        session = self.sessions.get(job_id)
+        if session is None:
+            return []
+        return [
+            TokenEvent(job_id=job_id, index=i, token_id=token, text=text)
+            for i, (token, text) in enumerate(zip(session.emitted, session.text_parts, strict=True))
+        ]
+
     def room(self) -> int:
         """How many more jobs to pull now without overfilling the local waiting list."""
         return self.admission.room(

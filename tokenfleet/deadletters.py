@@ -1,0 +1,54 @@
+"""Reading the dead-letter stream and submitting dead-lettered jobs again.
+
+Each dead letter is an entry of `keys.dead_letters()` with the fields
+job_id, entry, stream, reason, message, worker, deliveries, at, payload
+(written by `lua/dead_letter.lua`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from tokenfleet.errors import ProtocolError, TokenfleetError
+from tokenfleet.keys import DEFAULT_QUEUE_CAP, Keys
+from tokenfleet.producer import Producer
+from tokenfleet.protocol import decode_request
+from tokenfleet.worker.recovery import text
+
+
+def _fields(raw: dict[Any, Any]) -> dict[str, str]:
+    out = {text(k): text(v) for k, v in raw.items() if k not in (b"payload", "payload")}
+    for name in ("job_id", "entry", "stream", "reason", "message", "worker", "deliveries", "at"):
+        out.setdefault(name, "")
+    return out
+
+
+def list_dead_letters(client: redis.Redis, keys: Keys, count: int = 20) -> list[dict[str, Any]]:
+    """The newest `count` dead letters, without their payloads."""
+    entries = client.xrevrange(keys.dead_letters(), "+", "-", count=count)
+    return [{"id": text(entry_id), **_fields(raw)} for entry_id, raw in entries]
+
+
+def requeue_dead_letter(
+    client: redis.Redis, keys: Keys, entry_id: str, *, default_cap: int = DEFAULT_QUEUE_CAP
+) -> str:
+    """Submit a dead-lettered job again under its own id and drop the dead letter.
+
+    The job's old state, result and events are deleted first so it starts
+    afresh; its payload must still decode (garbage entries cannot be requeued).
+    Raises QueueFull like any submit."""
+    found = client.xrange(keys.dead_letters(), entry_id, entry_id)
+    if not found:
+        raise TokenfleetError(f"no dead letter {entry_id} in {keys.dead_letters()}")
+    payload = found[0][1].get(b"payload", b"")
+    try:
+        request = decode_request(payload)
+    except ProtocolError as exc:
+        raise TokenfleetError(f"dead letter {entry_id} cannot be requeued: {exc}") from None
+    job = request.job_id
+    client.delete(keys.job(job), keys.result(job), keys.events(job), keys.cancel(job))
+    Producer(client, keys=keys, default_cap=default_cap).submit(request)
+    client.xdel(keys.dead_letters(), entry_id)
+    return job

@@ -1,0 +1,251 @@
+"""`tokenfleet demo`: a whole fleet in one command.
+
+Starts (or uses) a Redis, starts worker processes on the `tiny-random` preset,
+submits prompts from several producer threads, follows every job's token
+stream, and shows it live; ends with a summary table. Exit code 0 when every
+job finished (stop or length).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from tokenfleet.errors import TokenfleetError
+from tokenfleet.keys import Keys
+from tokenfleet.local import LocalWorkers, redis_for
+from tokenfleet.producer import Producer
+from tokenfleet.protocol import GenerationRequest, SamplingParams
+from tokenfleet.reasons import FinishReason
+from tokenfleet.status import fleet_status, render_status
+from tokenfleet.worker.recovery import live_workers
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time, in a fleet of workers,",
+    "Redis streams make a good queue because",
+    "Continuous batching means",
+    "A worker killed mid-generation",
+    "Backpressure is",
+    "The KV cache holds",
+    "Hello, world!",
+]
+
+
+@dataclass
+class JobView:
+    job_id: str
+    producer: int
+    prompt: str
+    text: str = ""
+    tokens: int = 0
+    reason: str = "queued"
+    worker: str = ""
+    ttft_s: float | None = None
+    total_s: float | None = None
+    error: str = ""
+
+
+@dataclass
+class DemoState:
+    jobs: dict[str, JobView] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def done(self) -> int:
+        return sum(1 for j in self.jobs.values() if j.reason not in ("queued", "running"))
+
+
+def _printable(text: str, width: int = 48) -> str:
+    shown = "".join(ch if ch.isprintable() else "·" for ch in text)
+    return shown[-width:]
+
+
+def _follow(producer: Producer, view: JobView, state: DemoState, console: Console | None) -> None:
+    handle = producer.handle(view.job_id)
+    try:
+        for event in handle.stream(timeout=120):
+            with state.lock:
+                view.text += event.text
+                view.tokens += 1
+                view.reason = "running"
+        finish = handle.finish
+        assert finish is not None
+        with state.lock:
+            view.reason = str(finish.reason)
+            view.worker = finish.worker or ""
+            view.ttft_s, view.total_s = finish.timings.ttft_s, finish.timings.total_s
+            view.error = finish.error.message if finish.error else ""
+    except TokenfleetError as exc:
+        with state.lock:
+            view.reason, view.error = "error", str(exc)
+    if console is not None:
+        console.print(
+            f"job {view.job_id} [{view.reason}] {view.tokens} tokens by {view.worker}: "
+            f"{_printable(view.text, 60)!r}",
+            highlight=False,
+        )
+
+
+def _produce(
+    url: str,
+    keys: Keys,
+    producer_no: int,
+    count: int,
+    max_new: int,
+    state: DemoState,
+    console: Console | None,
+    followers: list[threading.Thread],
+) -> None:
+    producer = Producer(redis.Redis.from_url(url), keys=keys)
+    for i in range(count):
+        prompt = PROMPTS[(producer_no * 3 + i) % len(PROMPTS)]
+        request = GenerationRequest(
+            job_id=f"demo-p{producer_no}-{i}",
+            prompt=prompt,
+            max_new_tokens=max_new,
+            sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=producer_no * 1000 + i),
+            ignore_eos=True,
+        )
+        view = JobView(request.job_id, producer_no, prompt)
+        with state.lock:
+            state.jobs[view.job_id] = view
+        producer.submit(request)
+        follower = threading.Thread(
+            target=_follow, args=(producer, view, state, console), daemon=True
+        )
+        follower.start()
+        followers.append(follower)
+
+
+def _jobs_table(state: DemoState, limit: int = 16) -> Table:
+    table = Table(title=f"jobs ({state.done}/{len(state.jobs)} finished)")
+    for column in ("job", "worker", "tokens", "status", "text (tail)"):
+        table.add_column(column, justify="right" if column == "tokens" else "left")
+    with state.lock:
+        views = list(state.jobs.values())
+    running = [v for v in views if v.reason == "running"]
+    rest = [v for v in views if v.reason != "running"]
+    for view in (running + rest)[:limit]:
+        table.add_row(
+            view.job_id, view.worker, str(view.tokens), view.reason, _printable(view.text)
+        )
+    return table
+
+
+def _summary(state: DemoState, elapsed: float) -> Table:
+    table = Table(title="summary")
+    for column in ("job", "producer", "worker", "tokens", "finish", "ttft s", "total s"):
+        table.add_column(
+            column, justify="left" if column in ("job", "worker", "finish") else "right"
+        )
+    for view in state.jobs.values():
+        table.add_row(
+            view.job_id,
+            str(view.producer),
+            view.worker,
+            str(view.tokens),
+            view.reason,
+            f"{view.ttft_s:.2f}" if view.ttft_s is not None else "-",
+            f"{view.total_s:.2f}" if view.total_s is not None else "-",
+        )
+    tokens = sum(v.tokens for v in state.jobs.values())
+    table.caption = (
+        f"{tokens} tokens in {elapsed:.1f}s = {tokens / max(elapsed, 1e-9):,.0f} tokens/s"
+    )
+    return table
+
+
+def run_demo(
+    *,
+    redis_url: str | None,
+    prefix: str,
+    jobs: int,
+    workers: int,
+    producers: int,
+    max_new_tokens: int,
+    live: bool,
+    prefer_real_redis: bool = True,
+) -> int:
+    console = Console()
+    keys = Keys(prefix)
+    state = DemoState()
+    with redis_for(redis_url, prefer_real_redis) as (url, kind):
+        console.print(f"redis: {url} ({kind})")
+        client = redis.Redis.from_url(url)
+        fleet = LocalWorkers(
+            url,
+            prefix,
+            ["--model", "tiny-random", "--threads", "1", "--kv-mb", "64", "--max-batch", "16"],
+        )
+        fleet.start(workers, name_prefix="demo")
+        try:
+            with Progress(
+                SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True
+            ) as progress:
+                progress.add_task(f"starting {workers} worker(s) on tiny-random", total=None)
+                deadline = time.monotonic() + 120
+                while len(live_workers(client, keys)) < workers:
+                    if not fleet.alive() or time.monotonic() > deadline:
+                        console.print("[red]workers failed to start[/red]")
+                        return 1
+                    time.sleep(0.1)
+            console.print(
+                f"{workers} worker(s) up; submitting {jobs} jobs from {producers} producers"
+            )
+            started = time.monotonic()
+            followers: list[threading.Thread] = []
+            per_producer = [
+                jobs // producers + (1 if i < jobs % producers else 0) for i in range(producers)
+            ]
+            threads = [
+                threading.Thread(
+                    target=_produce,
+                    args=(
+                        url,
+                        keys,
+                        p,
+                        n,
+                        max_new_tokens,
+                        state,
+                        None if live else console,
+                        followers,
+                    ),
+                )
+                for p, n in enumerate(per_producer)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+            def view() -> Group:
+                return Group(_jobs_table(state), render_status(fleet_status(client, keys)))
+
+            if live:
+                with Live(view(), console=console, refresh_per_second=4) as screen:
+                    while any(f.is_alive() for f in followers):
+                        time.sleep(0.25)
+                        screen.update(view())
+                    screen.update(view())
+            for follower in followers:
+                follower.join()
+            elapsed = time.monotonic() - started
+        finally:
+            codes = fleet.drain()
+        console.print(_summary(state, elapsed))
+        ok = sum(
+            1 for v in state.jobs.values() if v.reason in (FinishReason.STOP, FinishReason.LENGTH)
+        )
+        console.print(
+            f"finished: {ok}/{len(state.jobs)} jobs; "
+            f"workers exited with {sorted(codes.values(), key=str)}"
+        )
+        return 0 if ok == len(state.jobs) == jobs else 1
