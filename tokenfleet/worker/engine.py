@@ -313,6 +313,12 @@ class Engine:
         bad = [t for t in prompt_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
+        limit = self.loaded.config.max_position_embeddings
+        if len(prompt_ids) + request.max_new_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens})"
+                f" exceeds the model's context length ({limit})"
+            )
         s = request.sampling
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:

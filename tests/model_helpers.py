@@ -1,0 +1,126 @@
+"""Helpers shared by the model tests: tiny reference checkpoints and block tables."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tokenfleet.model import KVPool, LlamaModel, SeqInput
+
+# Small enough that the whole reference file runs in seconds on 2 cores.
+REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
+    "gqa-hd32": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2),
+    "mha-hd64-tied": dict(
+        hidden_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "explicit-hd64-mqa": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_hidden_layers=3,
+    ),
+    "llama3-rope": dict(
+        hidden_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        rope_theta=500000.0,
+        # original context 32 < the positions the tests reach, so the scaling matters
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "biases": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
+}
+
+
+def make_hf_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
+    """A randomly initialised LlamaForCausalLM (fp32, eval mode)."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
+    if model.config.attention_bias or model.config.mlp_bias:
+        # HF initialises biases to zero; make them matter.
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.02)
+    return model
+
+
+def save_hf_llama(model: LlamaForCausalLM, path: Path, **save_kwargs: Any) -> Path:
+    model.save_pretrained(path, **save_kwargs)
+    return path
+
+
+def reference_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """transformers' logits for every position of one prompt: [len(ids), vocab]."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()  # type: ignore[no-any-return]
+
+
+def block_tables(
+    lengths: list[int], block_size: int, num_blocks: int, seed: int = 0
+) -> list[list[int]]:
+    """Disjoint, shuffled block tables covering each length (blocks are not in order)."""
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables: list[list[int]] = []
+    for n in lengths:
+        need = -(-n // block_size)
+        if need > len(ids):
+            raise ValueError("not enough blocks")
+        tables.append(ids[:need])
+        ids = ids[need:]
+    return tables
+
+
+def run_chunks(
+    model: LlamaModel,
+    pool: KVPool,
+    ids: list[int],
+    block_table: list[int],
+    chunks: list[int],
+) -> torch.Tensor:
+    """Feed `ids` through the pool in chunks of the given sizes (one sequence alone).
+
+    Returns the logits after each chunk: [len(chunks), vocab].
+    """
+    assert sum(chunks) == len(ids)
+    out = []
+    pos = 0
+    for n in chunks:
+        step = torch.tensor(ids[pos : pos + n])
+        out.append(model.forward(step, [SeqInput(block_table, pos, n)], pool)[0])
+        pos += n
+    return torch.stack(out)

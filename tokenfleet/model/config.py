@@ -1,0 +1,238 @@
+"""The shape of a Llama-family decoder, read once from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenfleet.model.errors import ModelConfigError
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's frequency-dependent stretch of the rotary frequencies."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ModelConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ModelConfigError(
+                "rope scaling needs high_freq_factor > low_freq_factor, got "
+                f"{self.high_freq_factor} <= {self.low_freq_factor}"
+            )
+        if self.original_max_position_embeddings < 1:
+            raise ModelConfigError("rope scaling original_max_position_embeddings must be >= 1")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the model code needs to know about a checkpoint's shape.
+
+    Validated on construction: a config that reaches the model can be run.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Llama3RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ModelConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ModelConfigError(f"head_dim must be even for rotary embeddings: {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        bos = () if self.bos_token_id is None else (self.bos_token_id,)
+        for tid in (*self.eos_token_ids, *bos):
+            if not 0 <= tid < self.vocab_size:
+                raise ModelConfigError(f"special token id {tid} outside vocab {self.vocab_size}")
+
+    # ---- derived quantities -------------------------------------------------
+
+    @property
+    def heads_per_kv_head(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V of every layer for one token."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def param_count(self) -> int:
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+        attn = h * (q_out + 2 * kv_out) + q_out * h
+        if self.attention_bias:
+            attn += q_out + 2 * kv_out + h
+        mlp = 3 * h * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + h
+        per_layer = attn + mlp + 2 * h  # + two RMSNorm weights
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return embed + self.num_layers * per_layer + h + head
+
+    def scratch_bytes(
+        self,
+        num_tokens: int,
+        *,
+        context_len: int | None = None,
+        logit_rows: int | None = None,
+        dtype_bytes: int = 4,
+    ) -> int:
+        """Peak activation memory of one forward over `num_tokens` new tokens (an estimate).
+
+        Layers run one after another, so only one layer's temporaries are live at
+        once. `context_len` is the longest context a query attends over (default:
+        `num_tokens`, a prefill from position 0); the attention-score term is the
+        largest for long prefill chunks. `logit_rows` defaults to `num_tokens`, an
+        upper bound (the model computes logits only for each sequence's last token).
+        """
+        t = num_tokens
+        ctx = t if context_len is None else context_len
+        rows = t if logit_rows is None else logit_rows
+        h, hd, db = self.hidden_size, self.head_dim, dtype_bytes
+        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+        # residual stream, its normed copy and the sublayer output: [T, hidden] each
+        base = 3 * t * h * db
+        attn = t * (q_out + 2 * kv_out) * db  # fused qkv projection
+        attn += t * (q_out + kv_out) * db  # rotated q and k
+        attn += t * q_out * db  # attention output
+        attn += 2 * ctx * kv_out * db  # K/V gathered from the pool
+        attn += 2 * self.num_heads * t * ctx * 4  # scores and softmax, fp32 worst case
+        # fused gate/up [T, 2I], silu(gate) and the product [T, I] each
+        mlp = 4 * t * self.intermediate_size * db
+        logits = rows * self.vocab_size * (db + 4)  # model-dtype logits + their float32 copy
+        return base + max(attn, mlp) + logits
+
+    # ---- construction -------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face `config.json` dict (transformers 4.x or 5.x layout)."""
+        archs = d.get("architectures")
+        if archs and not SUPPORTED_ARCHITECTURES.intersection(archs):
+            raise ModelConfigError(
+                f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = d.get("model_type")
+        if model_type is not None and model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(
+                f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
+        if d.get("pretraining_tp", 1) not in (None, 1):
+            raise ModelConfigError("pretraining_tp > 1 checkpoints are not supported")
+        try:
+            hidden = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            head_dim = d.get("head_dim") or hidden // heads
+            theta, scaling = _read_rope(d)
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(d["intermediate_size"]),
+                num_layers=int(d["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(head_dim),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                rope_scaling=scaling,
+                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=d.get("bos_token_id"),
+                eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
+                attention_bias=bool(d.get("attention_bias", False)),
+                mlp_bias=bool(d.get("mlp_bias", False)),
+            )
+        except KeyError as e:
+            raise ModelConfigError(f"config is missing required key {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config has a malformed value: {e}") from e
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except FileNotFoundError as e:
+            raise ModelConfigError(f"no model config at {p}") from e
+        except json.JSONDecodeError as e:
+            raise ModelConfigError(f"{p} is not valid JSON: {e}") from e
+        if not isinstance(d, dict):
+            raise ModelConfigError(f"{p} must hold a JSON object")
+        return cls.from_hf_dict(d)
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,) if value >= 0 else ()
+    return tuple(int(v) for v in value if int(v) >= 0)
+
+
+def _read_rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
+    """rope_theta and scaling from either `rope_parameters` (transformers 5) or the
+    older top-level `rope_theta` + `rope_scaling` pair."""
+    params: dict[str, Any] = dict(d.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling: dict[str, Any] = params if "rope_type" in params else dict(d.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelConfigError(f"unsupported rope scaling {rope_type!r}; supported: llama3")
+    try:
+        return theta, Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelConfigError(f"llama3 rope scaling is missing {e.args[0]!r}") from e

@@ -1,0 +1,117 @@
+"""A Llama-family decoder that runs one engine tick as one forward pass.
+
+All T new tokens of all sequences are concatenated into one flat batch; norms,
+projections and the MLP run once over [T, hidden] (that is the batching), and
+only attention looks at sequence boundaries (see `attention.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tokenfleet.model.attention import Attention
+from tokenfleet.model.batch import BatchPlan, SeqInput
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 whatever the model dtype (bf16 variance is too coarse),
+        # then scale in the model dtype, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.intermediate_size = inter
+        # gate and up projections fused: rows [gate | up] of the weight.
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        down: Tensor = self.down_proj(F.silu(gate) * up)
+        return down
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: BatchPlan, kv: KVPool) -> Tensor:
+        attn: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, plan, kv)
+        x = x + attn
+        mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
+
+
+class LlamaModel(nn.Module):
+    """Decoder + LM head. Call `forward(input_ids, seqs, kv)` once per engine tick."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
+        self._inv_freq = inverse_frequencies(config, torch.device("cpu"))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
+        """A zeroed pool in this model's dtype and device."""
+        return KVPool(self.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor, seqs: Sequence[SeqInput], kv: KVPool) -> Tensor:
+        """Run one tick and return float32 logits [len(seqs), vocab].
+
+        `input_ids` [T] holds every sequence's new tokens concatenated in `seqs`
+        order (T = sum of num_new). Their K/V are written into `kv` at the slots
+        their block tables give; the logits are for each sequence's LAST new token.
+        """
+        if kv.dtype != self.dtype or kv.device != self.device:
+            raise ValueError(
+                f"KV pool is {kv.dtype} on {kv.device}, model is {self.dtype} on {self.device}"
+            )
+        device = self.device
+        plan = BatchPlan.build(seqs, int(input_ids.shape[0]), kv.block_size, kv.num_blocks, device)
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        cos, sin = rope_cos_sin(self._inv_freq, plan.positions, self.dtype)  # [T, hd] each
+
+        x = self.embed_tokens(input_ids.to(device))  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, plan, kv)
+        last = self.norm(x[plan.last_rows])  # [S, hidden]; the norm is per row
+        logits: Tensor = self.lm_head(last)
+        return logits.float()  # [S, vocab]

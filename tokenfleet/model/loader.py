@@ -1,0 +1,149 @@
+"""Load a Hugging Face style checkpoint folder (or a built-in preset) onto a device.
+
+A folder holds `config.json`, the weights as `model.safetensors` or shards listed
+in `model.safetensors.index.json`, and optionally `tokenizer.json`. Weights are
+read tensor by tensor, cast and moved as they are read, so host memory peaks at
+about one copy of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.model.llama import LlamaModel
+from tokenfleet.model.presets import PRESETS
+from tokenfleet.model.tokenizer import HFTokenizer, Tokenizer
+from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json
+    dtype: torch.dtype
+    device: torch.device
+    weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
+
+
+def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
+    """Load a preset by name (see `presets.PRESETS`, checked first) or a checkpoint folder.
+
+    `device="auto"` picks cuda when available, else cpu.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = resolve_device(device)
+    preset = PRESETS.get(path_or_preset)
+    if preset is not None:
+        config = preset.config
+        hf = {k: _place(t, torch_dtype, torch_device) for k, t in preset.hf_weights().items()}
+        state = to_model_state(config, hf)
+        return _build(config, state, preset.tokenizer(), torch_dtype, torch_device)
+
+    folder = Path(path_or_preset)
+    if not folder.is_dir():
+        raise ModelLoadError(
+            f"{path_or_preset!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
+            "nor a checkpoint folder"
+        )
+    config = ModelConfig.from_json_file(folder / "config.json")
+    files = _weight_files(folder)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+        names = [(h, list(h.keys())) for h in handles]
+        found = {n: tuple(h.get_slice(n).get_shape()) for h, ns in names for n in ns}
+        check_hf_names(config, found)
+        wanted = set(hf_weight_shapes(config))  # skips extras such as a tied head's copy
+        hf = {
+            name: _place(h.get_tensor(name), torch_dtype, torch_device)
+            for h, ns in names
+            for name in ns
+            if name in wanted
+        }
+    state = to_model_state(config, hf)
+    tokenizer: Tokenizer | None = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = HFTokenizer.from_dir(folder, eos_token_ids=config.eos_token_ids)
+    return _build(config, state, tokenizer, torch_dtype, torch_device)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ModelLoadError(f"unsupported dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ModelLoadError(f"unknown device {name!r}: {e}") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def _place(t: Tensor, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return t.to(device=device, dtype=dtype)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index: {e}") from e
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    else:
+        other = sorted(p.name for p in folder.glob("*.bin")) or "none"
+        raise ModelLoadError(
+            f"no model.safetensors or model.safetensors.index.json in {folder} "
+            f"(only safetensors are supported; .bin files there: {other})"
+        )
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"shards listed in the index are missing from {folder}: {missing}")
+    return files
+
+
+def _build(
+    config: ModelConfig,
+    state: dict[str, Tensor],
+    tokenizer: Tokenizer | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoadedModel:
+    # Build on the meta device (no allocation, no random init), then adopt the
+    # loaded tensors as the parameters.
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True unties them
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # deduplicated
+    return LoadedModel(model, config, tokenizer, dtype, device, weight_bytes)
