@@ -28,7 +28,7 @@ from tokenfleet.reasons import FinishReason
 SCHEMA_VERSION: Final = 1
 
 # Hard limits. Changing one is a protocol change: update docs/protocol.md.
-MAX_PAYLOAD_BYTES = 512 * 1024  # one encoded job: room for every field at its limit
+MAX_PAYLOAD_BYTES = 1024 * 1024  # one encoded job: room for every field at its limit
 MAX_PROMPT_CHARS = 64 * 1024  # prompt text, in characters
 MAX_PROMPT_TOKENS = 16 * 1024  # prompt_ids length
 MAX_NEW_TOKENS = 8192
@@ -36,6 +36,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 256  # chat messages per request
+MAX_MESSAGE_CHARS = 64 * 1024
 MAX_METADATA_ITEMS = 32
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
@@ -84,6 +86,15 @@ class SamplingParams(_Message):
         return self.temperature == 0.0
 
 
+class ChatMessage(_Message):
+    """One chat turn; the worker renders `messages` with its model's chat template."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    role: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
+    content: str = Field(max_length=MAX_MESSAGE_CHARS)
+
+
 class GenerationRequest(_Message):
     """One generation job, as a producer submits it."""
 
@@ -95,6 +106,7 @@ class GenerationRequest(_Message):
     prompt_ids: list[TokenId] | None = Field(
         default=None, min_length=1, max_length=MAX_PROMPT_TOKENS
     )
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
     max_new_tokens: int = Field(default=128, ge=1, le=MAX_NEW_TOKENS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
@@ -121,8 +133,11 @@ class GenerationRequest(_Message):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerationRequest:
-        if (self.prompt is None) == (self.prompt_ids is None):
-            raise ValueError("give exactly one of prompt (text) or prompt_ids (token ids)")
+        given = [x is not None for x in (self.prompt, self.prompt_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError(
+                "give exactly one of prompt (text), prompt_ids (token ids) or messages (chat)"
+            )
         return self
 
 

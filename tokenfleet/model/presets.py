@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tokenfleet.model.chat import SIMPLE_CHAT_TEMPLATE
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.tokenizer import ByteTokenizer
 from tokenfleet.model.weights import hf_weight_shapes
@@ -49,7 +50,7 @@ class Preset:
         return weights
 
     def tokenizer(self) -> ByteTokenizer:
-        return ByteTokenizer(self.config.vocab_size)
+        return ByteTokenizer(self.config.vocab_size, chat_template=SIMPLE_CHAT_TEMPLATE)
 
 
 PRESETS: dict[str, Preset] = {

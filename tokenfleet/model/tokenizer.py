@@ -113,10 +113,11 @@ class ByteTokenizer:
     EOS = 257
     PAD = 258
 
-    def __init__(self, vocab_size: int = PAD + 1) -> None:
+    def __init__(self, vocab_size: int = PAD + 1, chat_template: str | None = None) -> None:
         if vocab_size < self.PAD + 1:
             raise ValueError(f"a byte tokenizer needs vocab_size >= {self.PAD + 1}")
         self._vocab_size = vocab_size
+        self._chat_template = chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -132,7 +133,7 @@ class ByteTokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        return None
+        return self._chat_template
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

@@ -24,6 +24,7 @@ import torch
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
 from tokenfleet.kv import KVLayout
 from tokenfleet.model import LoadedModel, Sampler, SamplingState, SeqInput
+from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, FinishEvent, GenerationRequest, JobResult, TokenEvent
 from tokenfleet.reasons import AdmissionReason, FinishReason
@@ -304,7 +305,10 @@ class Engine:
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif tokenizer is None:
-            raise ValueError("this model has no tokenizer: send prompt_ids instead of prompt text")
+            raise ValueError("this model has no tokenizer: send prompt_ids instead of text")
+        elif request.messages is not None:
+            turns = [{"role": m.role, "content": m.content} for m in request.messages]
+            prompt_ids = tokenizer.encode(render_chat(tokenizer, turns))  # ChatTemplateError
         else:
             prompt_ids = tokenizer.encode(request.prompt or "")
         vocab = self.loaded.config.vocab_size
