@@ -247,3 +247,36 @@ def test_duplicate_is_answered_even_when_the_queue_is_full(r: redis.Redis) -> No
     producer.set_queue_cap(1)
     first = producer.submit(prompt="a", job_id="only")
     assert producer.submit(prompt="a", job_id="only").entry_id == first.entry_id
+
+
+def test_a_job_no_live_worker_could_hold_is_refused_at_submit(
+    r: redis.Redis, redis_url: str
+) -> None:
+    from tokenfleet.worker.queue import WorkerQueue
+
+    producer = Producer(r)
+    # No live worker: the job queues as usual.
+    assert producer.submit(prompt_ids=[1] * 100, max_new_tokens=1000, job_id="queued").id
+    small = WorkerQueue(r, KEYS, "small-worker")
+    small.heartbeat({"model": "default", "max_job_tokens": 512})
+    other_model = WorkerQueue(r, KEYS, "big-other-model", model="big")
+    other_model.heartbeat({"model": "big", "max_job_tokens": 100_000})
+    producer = Producer(r)  # fresh capacity cache
+    with pytest.raises(JobRejected) as info:
+        producer.submit(prompt_ids=[1] * 100, max_new_tokens=1000, job_id="too-big")
+    assert info.value.reason == "rejected_kv_budget" and "512" in info.value.message
+    assert not r.exists(KEYS.job("too-big"))
+    assert producer.submit(prompt_ids=[1] * 100, max_new_tokens=400).id  # fits: 500 <= 512
+    assert producer.submit(prompt_ids=[1] * 100, max_new_tokens=1000, model="big").id
+    outcomes = producer.submit_many(
+        [GenerationRequest(prompt="x", max_new_tokens=600), GenerationRequest(prompt="y")]
+    )
+    assert isinstance(outcomes[0].error, JobRejected) and outcomes[1].accepted
+
+    async def refused_async() -> None:
+        aproducer = AsyncProducer.from_url(redis_url)
+        with pytest.raises(JobRejected):
+            await aproducer.submit(prompt="x", max_new_tokens=600)
+        await aproducer.aclose()
+
+    asyncio.run(refused_async())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -14,11 +15,14 @@ from tokenfleet.errors import JobNotFound, JobTimeout, QueueFull
 from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.producer.client import REPLAY_POLL_S, JobStatus, raise_for_finish
 from tokenfleet.producer.common import (
+    CAPACITY_TTL_S,
     SUBMIT_LUA,
     EventAssembler,
     SubmitReply,
     build_request,
+    check_fleet_fits,
     encode_request,
+    fleet_capacity,
     parse_submit_reply,
     submit_call,
 )
@@ -39,6 +43,27 @@ class AsyncProducer:
         self.keys = keys or Keys()
         self.default_cap = default_cap
         self._submit = client.register_script(SUBMIT_LUA)
+        self._capacity: dict[str | None, tuple[float, int | None]] = {}
+
+    async def capacity(self, model: str | None = None) -> int | None:
+        """Largest job a live worker for `model` holds (None: no live worker); cached ~1 s."""
+        now = time.monotonic()
+        cached = self._capacity.get(model)
+        if cached is None or now - cached[0] > CAPACITY_TTL_S:
+            names = await self.redis.zrange(self.keys.workers(), 0, -1)
+            pipe = self.redis.pipeline(transaction=False)
+            for name in names:
+                pipe.hmget(self.keys.worker(name.decode()), ["model", "max_job_tokens"])
+            workers: dict[str, dict[str, Any]] = {}
+            for name, (model_field, size) in zip(names, await pipe.execute(), strict=True):
+                if model_field is not None and size is not None:
+                    workers[name.decode()] = {
+                        "model": json.loads(model_field),
+                        "max_job_tokens": json.loads(size),
+                    }
+            cached = (now, fleet_capacity(workers, model))
+            self._capacity[model] = cached
+        return cached[1]
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> AsyncProducer:
@@ -49,6 +74,7 @@ class AsyncProducer:
         self, request: GenerationRequest | None = None, /, **fields: Any
     ) -> AsyncJobHandle:
         req = build_request(request, fields)
+        check_fleet_fits(req, await self.capacity(req.model))
         script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
         reply = await self._submit(keys=script_keys, args=args)
         return self._handle(parse_submit_reply(self.keys, req, reply))

@@ -12,11 +12,14 @@ import redis
 from tokenfleet.errors import JobFailed, JobNotFound, JobRejected, JobTimeout, QueueFull
 from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.producer.common import (
+    CAPACITY_TTL_S,
     SUBMIT_LUA,
     EventAssembler,
     SubmitReply,
     build_request,
+    check_fleet_fits,
     encode_request,
+    fleet_capacity,
     parse_submit_reply,
     submit_call,
 )
@@ -86,14 +89,29 @@ class Producer:
         self.keys = keys or Keys()
         self.default_cap = default_cap
         self._submit = client.register_script(SUBMIT_LUA)
+        self._capacity: dict[str | None, tuple[float, int | None]] = {}
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> Producer:
         keys = Keys(prefix) if prefix else Keys()
         return cls(redis.Redis.from_url(url), keys=keys, **kwargs)
 
+    def capacity(self, model: str | None = None) -> int | None:
+        """Largest job (prompt + max_new_tokens) a live worker for `model` holds; cached ~1 s."""
+        now = time.monotonic()
+        cached = self._capacity.get(model)
+        if cached is None or now - cached[0] > CAPACITY_TTL_S:
+            from tokenfleet.worker.recovery import live_workers
+
+            cached = (now, fleet_capacity(live_workers(self.redis, self.keys), model))
+            self._capacity[model] = cached
+        return cached[1]
+
     def submit(self, request: GenerationRequest | None = None, /, **fields: Any) -> JobHandle:
+        """Submit one job. Raises InvalidRequest, QueueFull, or JobRejected when no live
+        worker could ever hold it."""
         req = build_request(request, fields)
+        check_fleet_fits(req, self.capacity(req.model))
         script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
         reply = parse_submit_reply(self.keys, req, self._submit(keys=script_keys, args=args))
         return self._handle(reply)
@@ -101,22 +119,30 @@ class Producer:
     def submit_many(self, requests: Iterable[GenerationRequest]) -> list[SubmitOutcome]:
         """Submit many jobs in one round trip; each gets its own outcome, in order."""
         reqs = list(requests)
+        outcomes: list[SubmitOutcome | None] = [None] * len(reqs)
         pipe = self.redis.pipeline(transaction=False)
-        for req in reqs:
+        sent: list[int] = []
+        for i, req in enumerate(reqs):
+            try:
+                check_fleet_fits(req, self.capacity(req.model))
+            except JobRejected as exc:
+                outcomes[i] = SubmitOutcome(req.job_id, None, error=exc)
+                continue
             script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
             self._submit(keys=script_keys, args=args, client=pipe)
-        outcomes = []
-        for req, reply in zip(reqs, pipe.execute(raise_on_error=False), strict=True):
+            sent.append(i)
+        replies = pipe.execute(raise_on_error=False) if sent else []
+        for i, reply in zip(sent, replies, strict=True):
+            req = reqs[i]
             try:
                 if isinstance(reply, Exception):
                     raise reply
                 parsed = parse_submit_reply(self.keys, req, reply)
-                outcomes.append(
-                    SubmitOutcome(req.job_id, self._handle(parsed), duplicate=parsed.duplicate)
-                )
+                handle = self._handle(parsed)
+                outcomes[i] = SubmitOutcome(req.job_id, handle, duplicate=parsed.duplicate)
             except (QueueFull, redis.RedisError) as exc:
-                outcomes.append(SubmitOutcome(req.job_id, None, error=exc))
-        return outcomes
+                outcomes[i] = SubmitOutcome(req.job_id, None, error=exc)
+        return [o for o in outcomes if o is not None]
 
     def handle(self, job_id: str) -> JobHandle:
         """A handle on a job submitted earlier (by anyone)."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tokenfleet.errors import InvalidRequest, QueueFull
+from tokenfleet.errors import InvalidRequest, JobRejected, QueueFull
 from tokenfleet.keys import DEFAULT_MODEL, JOB_STATE_TTL_S, Keys
 from tokenfleet.protocol import (
     MAX_PAYLOAD_BYTES,
@@ -89,6 +89,39 @@ def parse_submit_reply(keys: Keys, request: GenerationRequest, reply: list[Any])
         return SubmitReply(request.job_id, _text(reply[1]), duplicate=True)
     assert kind == "ok", f"unexpected submit reply {reply!r}"
     return SubmitReply(request.job_id, _text(reply[1]), duplicate=False)
+
+
+CAPACITY_TTL_S = 1.0  # how long a producer trusts what it read of the fleet's capacity
+
+
+def fleet_capacity(workers: dict[str, dict[str, Any]], model: str | None) -> int | None:
+    """The largest prompt + max_new_tokens any live worker serving `model` could hold,
+    or None when no live worker serves it (then jobs queue as usual)."""
+    name = model or DEFAULT_MODEL
+    sizes = [
+        int(info["max_job_tokens"])
+        for info in workers.values()
+        if info.get("model", DEFAULT_MODEL) == name and isinstance(info.get("max_job_tokens"), int)
+    ]
+    return max(sizes) if sizes else None
+
+
+def check_fleet_fits(request: GenerationRequest, capacity: int | None) -> None:
+    """Refuse a job no live worker could ever hold (`JobRejected`, rejected_kv_budget).
+
+    The producer has no tokenizer, so a text prompt counts as zero tokens here
+    (workers still refuse it if it is too long): only what is certain is judged."""
+    if capacity is None:
+        return
+    known = len(request.prompt_ids or ()) + request.max_new_tokens
+    if known > capacity:
+        raise JobRejected(
+            request.job_id,
+            "rejected_kv_budget",
+            f"needs at least {known:,} tokens of KV (prompt + max_new_tokens) but the largest "
+            f"job any live worker for model {request.model or DEFAULT_MODEL!r} can hold is "
+            f"{capacity:,} tokens",
+        )
 
 
 def _text(value: Any) -> str:
