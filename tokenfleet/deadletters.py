@@ -37,7 +37,8 @@ def requeue_dead_letter(
     """Submit a dead-lettered job again under its own id and drop the dead letter.
 
     The job's old state, result and events are deleted first so it starts
-    afresh; its payload must still decode (garbage entries cannot be requeued).
+    afresh; its payload must still decode (garbage entries cannot be requeued), and
+    the job must not be live (a duplicate's job may still be queued or running).
     Raises QueueFull like any submit."""
     found = client.xrange(keys.dead_letters(), entry_id, entry_id)
     if not found:
@@ -48,6 +49,14 @@ def requeue_dead_letter(
     except ProtocolError as exc:
         raise TokenfleetError(f"dead letter {entry_id} cannot be requeued: {exc}") from None
     job = request.job_id
+    stream, entry = client.hmget(keys.job(job), "stream", "entry")
+    if stream and entry and client.xrange(stream, entry, entry):
+        # e.g. a `rejected_duplicate` letter: the job itself is still queued or running;
+        # wiping its state would destroy the live job's events and result.
+        raise TokenfleetError(
+            f"dead letter {entry_id} cannot be requeued: job {job} is still queued or "
+            f"running (entry {text(entry)} of {text(stream)})"
+        )
     client.delete(keys.job(job), keys.result(job), keys.events(job), keys.cancel(job))
     Producer(client, keys=keys, default_cap=default_cap).submit(request)
     client.xdel(keys.dead_letters(), entry_id)

@@ -17,6 +17,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
+from rich.text import Text
 
 from tokenfleet.errors import TokenfleetError
 from tokenfleet.keys import Keys
@@ -91,6 +92,7 @@ def _follow(producer: Producer, view: JobView, state: DemoState, console: Consol
             f"job {view.job_id} [{view.reason}] {view.tokens} tokens by {view.worker}: "
             f"{_printable(view.text, 60)!r}",
             highlight=False,
+            markup=False,  # "[length]" is text, and generated text may hold "[/...]"
         )
 
 
@@ -134,8 +136,8 @@ def _jobs_table(state: DemoState, limit: int = 16) -> Table:
     running = [v for v in views if v.reason == "running"]
     rest = [v for v in views if v.reason != "running"]
     for view in (running + rest)[:limit]:
-        table.add_row(
-            view.job_id, view.worker, str(view.tokens), view.reason, _printable(view.text)
+        table.add_row(  # Text: generated text is not Rich markup ("[/x]" would raise)
+            view.job_id, view.worker, str(view.tokens), view.reason, Text(_printable(view.text))
         )
     return table
 

@@ -32,7 +32,7 @@ def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "model": model,
                 "stream": keys.jobs(model),
                 "depth": depth,
-                "waiting": depth - pending,
+                "waiting": max(0, depth - pending),  # pending may count deleted entries
                 "in_flight": pending,
                 "lag": stats["lag"],
                 "consumers": stats["consumers"],
