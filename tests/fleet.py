@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 from support import wait_for
@@ -33,6 +35,20 @@ class WorkerProcess:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+    def wait_log(self, fragment: str, timeout: float = 60) -> None:
+        """Until `fragment` appears in the worker's log (fails early if it exited without it)."""
+
+        def logged() -> bool:
+            if fragment in self.output():
+                return True
+            if self.proc.poll() is not None and fragment not in self.output():
+                raise AssertionError(
+                    f"worker {self.name} exited without logging {fragment!r}:\n{self.output()}"
+                )
+            return False
+
+        wait_for(logged, timeout, f"{fragment!r} in the log of worker {self.name}")
 
 
 @dataclass
@@ -70,6 +86,15 @@ class Fleet:
 
         wait_for(alive, timeout, f"worker {worker.name} heartbeat")
         client.close()
+
+    def info(self, worker: WorkerProcess) -> dict[str, Any]:
+        """The worker's telemetry hash, decoded (every value is JSON); {} once it expired."""
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            raw = client.hgetall(Keys().worker(worker.name))
+        finally:
+            client.close()
+        return {field.decode(): json.loads(value) for field, value in raw.items()}
 
     def stop_all(self) -> None:
         for worker in self.workers:

@@ -13,6 +13,10 @@
 --          it is then accepted when pending to nobody and absent from the stream
 -- ARGV[12..19]  optional terminal block, as finish.lua's ARGV[5..12]
 --
+-- The job id comes from the entry or its payload, which anyone who can XADD wrote: the
+-- terminal block is skipped when the job's state hash records a different entry (a
+-- job submitted as another entry, which a spoofed or duplicated id must not end).
+--
 -- Replies:
 --   1  dead letter written (+ terminal writes), entry acked and deleted
 --   0  the entry is not this worker's: nothing written
@@ -29,7 +33,10 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[10], '*',
            'message', ARGV[7], 'worker', ARGV[2], 'deliveries', ARGV[8], 'at', ARGV[4],
            'payload', ARGV[9])
 if #KEYS == 5 then
-  terminal(3, 12)
+  local entry = redis.call('HGET', KEYS[4], 'entry')
+  if not entry or entry == ARGV[3] then
+    terminal(3, 12)
+  end
 end
 ack_delete()
 return 1

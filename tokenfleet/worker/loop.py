@@ -12,8 +12,13 @@ One process, one engine, one jobs stream. Each iteration:
             that first checks this worker still owns the entry.
 
 Nothing is dropped when Redis goes away: what a tick produced stays in the
-outbox, the engine is not stepped again until the outbox is flushed, and the
-loop reconnects with backoff.
+outbox, the engine is not stepped again until the outbox is flushed, a job stays
+held until its terminal write succeeded, and the loop reconnects with backoff.
+redis-py's own command retries are switched off on the worker's client: a
+retried XREADGROUP whose first reply was lost would leave entries pending to
+this worker that it never saw. Instead every lost connection makes the loop
+re-read its own pending list (and re-send the events of running jobs) once it
+is back.
 """
 
 from __future__ import annotations
@@ -24,22 +29,27 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.keys import GROUP, Keys
 from tokenfleet.protocol import ErrorInfo, FinishEvent, JobResult, TokenEvent, decode_request
 from tokenfleet.reasons import AdmissionReason, FinishReason
 from tokenfleet.worker.engine import Engine, Finished
+from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.publish import queue_event
 from tokenfleet.worker.queue import WorkerQueue
 from tokenfleet.worker.recovery import Delivery
 
 log = logging.getLogger("tokenfleet.worker")
+T = TypeVar("T")
 
 
 def default_worker_name() -> str:
@@ -70,10 +80,18 @@ class _Held:
 
 class Worker:
     def __init__(
-        self, engine: Engine, client: redis.Redis, keys: Keys, options: WorkerOptions
+        self,
+        engine: Engine,
+        client: redis.Redis,
+        keys: Keys,
+        options: WorkerOptions,
+        metrics: WorkerMetrics | None = None,
     ) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.redis = client
+        # The loop retries, then resyncs (see the module docstring); the client must not.
+        client.set_retry(Retry(NoBackoff(), 0))
         self.keys = keys
         self.options = options
         self.queue = WorkerQueue(client, keys, options.name, options.model)
@@ -86,6 +104,7 @@ class Worker:
         self._drain_deadline = 0.0
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
+        self._resync = False  # after a reconnect: re-read own pending list, re-send events
         self.started_at = time.time()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -111,7 +130,8 @@ class Worker:
         """Serve until drained, stopped, or (burst) the stream is empty. Returns the exit code."""
         self._with_reconnect(self._start)
         while not self.stop_now:
-            if self._with_reconnect(self.iteration) and self._should_exit():
+            self._with_reconnect(self.iteration)
+            if self._with_reconnect(self._should_exit):  # burst mode asks Redis too
                 break
         self._with_reconnect(self._leave)
         return 0
@@ -127,21 +147,33 @@ class Worker:
         self.queue.leave()
 
     def _should_exit(self) -> bool:
-        busy = self.engine.has_work or self.deferred or self.outbox_tokens or self.outbox_finished
+        busy = self.engine.has_work or self.outbox_tokens or self.outbox_finished
         if self.draining:
+            # Deferred entries were read but never started: they go back to the fleet
+            # with the rest (`_leave`) rather than hold the drain until its deadline.
             return not busy or time.monotonic() >= self._drain_deadline
-        if self.options.burst and not busy:
+        if self.options.burst and not (busy or self.deferred):
             return int(self.redis.xlen(self.queue.stream)) == 0
         return False
 
-    def _with_reconnect(self, action: Any) -> bool:
-        """Run `action`; on a lost connection, back off and retry until Redis answers."""
+    def _with_reconnect(self, action: Callable[[], T]) -> T | None:
+        """Run `action` and return its value; on a lost connection, back off and retry
+        until Redis answers (None if told to stop meanwhile).
+
+        Any lost connection may have lost a reply (a read, a claim) or, on a Redis
+        without persistence, writes: the next iteration resyncs first."""
         delay = 0.05
+        lost_at: float | None = None
         while not self.stop_now:
             try:
-                action()
-                return True
+                value = action()
+                if lost_at is not None:
+                    log.warning("reconnected to redis after %.1fs", time.monotonic() - lost_at)
+                return value
             except (redis.ConnectionError, redis.TimeoutError) as exc:
+                self._resync = True
+                if lost_at is None:
+                    lost_at = time.monotonic()
                 log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, self.options.reconnect_max_s)
@@ -150,17 +182,31 @@ class Worker:
                     self.queue.ensure_group()
                 except (redis.ConnectionError, redis.TimeoutError):
                     continue
-        return False
+        return None
 
     # ---- one iteration -----------------------------------------------------------
 
     def iteration(self) -> None:
+        if self._resync:
+            self._resync_after_reconnect()
         if self._flush():  # what an earlier tick produced goes out before anything new
             self.pull()
             out_tokens, out_finished = self.tick()
             self.outbox_tokens.extend(out_tokens)
             self.outbox_finished.extend(out_finished)
             self._flush()
+
+    def _resync_after_reconnect(self) -> None:
+        """Recover what a lost connection may have hidden: entries read but never seen,
+        and token events written but not persisted (clients drop repeated indices)."""
+        held_entries = {h.delivery.entry_id for h in self.held.values()}
+        held_entries |= {h.delivery.entry_id for h, _ in self.deferred}
+        for delivery in self.queue.own_pending(1000):
+            if delivery.entry_id not in held_entries:
+                self._accept(delivery)
+        for job_id in self.held:
+            self.outbox_tokens.extend(self.engine.replay_events(job_id))
+        self._resync = False
 
     def pull(self) -> None:
         if self.draining:
@@ -174,6 +220,8 @@ class Worker:
         if now - self._last_claim >= self.options.claim_every_s:
             self._last_claim = now
             deliveries += self.queue.claim_orphans(room)
+            if deliveries:
+                log.info("claimed %d orphaned job(s) of dead workers", len(deliveries))
         idle = not self.engine.has_work and not deliveries
         block = self.options.idle_block_ms if idle else None
         deliveries += self.queue.read(room - len(deliveries), block)
@@ -188,7 +236,8 @@ class Worker:
     def _accept(self, delivery: Delivery) -> str | None:
         """Decode and admit one entry; anything unservable goes to the dead letters."""
         if delivery.payload is None:
-            self._dead_letter(delivery, "missing_payload", "the entry has no payload (deleted?)")
+            message = "the entry has no payload (deleted?)"
+            self._dead_letter(delivery, "missing_payload", message, job_id=delivery.job_id)
             return None
         try:
             request = decode_request(delivery.payload)
@@ -210,7 +259,10 @@ class Worker:
             )
             return None
         held = _Held(delivery, request.job_id)
-        if request.job_id in self.held:  # a second entry for a job running here
+        current = self.held.get(request.job_id)
+        if current is not None and current.delivery.entry_id == delivery.entry_id:
+            return None  # the same entry again (a read replayed after a Redis restart)
+        if current is not None:  # a second entry for a job running here
             message = f"job {request.job_id} is already running on this worker"
             self._dead_letter(delivery, "rejected_duplicate", message)  # no terminal event
             return None
@@ -244,6 +296,8 @@ class Worker:
         if not self.engine.has_work:
             return [], []
         out = self.engine.step()
+        if self.metrics is not None:
+            self.metrics.observe_tick(self.engine, out)
         return out.tokens, out.finished
 
     def _flush(self) -> bool:
@@ -264,16 +318,25 @@ class Worker:
         return True
 
     def _finish(self, done: Finished) -> None:
-        held = self.held.pop(done.job_id, None)
+        """The job's terminal write. The job stays held until it succeeded: a lost
+        connection retries it (`_flush` keeps `done` in the outbox), and a write that
+        went through before the connection broke reads back as "not ours" (0)."""
+        held = self.held.get(done.job_id)
         if held is None:
             return
         if done.event.reason is FinishReason.ERROR:
             self._retry_or_dead_letter(held, done)
             return
-        if not self.queue.finish(held.delivery.entry_id, done.job_id, done.result, done.event):
+        if self.queue.finish(held.delivery.entry_id, done.job_id, done.result, done.event):
+            if self.metrics is not None:
+                self.metrics.observe_finished(done)
+        else:
             log.warning(
-                "job %s was taken over by another worker; not finishing it here", done.job_id
+                "job %s was taken over by another worker (or finished before a lost reply);"
+                " not finishing it here",
+                done.job_id,
             )
+        del self.held[done.job_id]
 
     def _retry_or_dead_letter(self, held: _Held, done: Finished) -> None:
         error = done.event.error
@@ -282,8 +345,12 @@ class Worker:
             self.queue.dead_letter(
                 held.delivery, "engine_error", message, finish=done.event, result=done.result
             )
+            if self.metrics is not None:
+                self.metrics.observe_finished(done)
+            del self.held[held.job_id]
             return
         deliveries = self.queue.redeliver(held.delivery.entry_id)
+        del self.held[held.job_id]
         if deliveries is None:  # no longer ours
             return
         retry = Delivery(held.delivery.entry_id, held.job_id, held.delivery.payload, deliveries)

@@ -106,6 +106,23 @@ class WorkerQueue:
             reply = self.redis.xreadgroup(GROUP, self.worker, streams, count, block_ms)
         return [delivery(entry_id, fields, 1) for entry_id, fields in _entries(reply)]
 
+    def own_pending(self, count: int) -> list[Delivery]:
+        """Entries pending to this worker (its own pending list), with their data.
+
+        After a lost connection a read reply may have been lost in transit: its
+        entries are pending to this worker but were never seen. Deliveries are
+        reported as 2 so the caller resumes from any tokens already emitted."""
+        if count <= 0:
+            return []
+        try:
+            reply = self.redis.xreadgroup(GROUP, self.worker, {self.stream: "0"}, count)
+        except ResponseError as exc:
+            if not is_missing_group(exc):
+                raise
+            self.ensure_group()
+            return []
+        return [delivery(entry_id, fields, 2) for entry_id, fields in _entries(reply)]
+
     def mark_running(self, job_ids: Sequence[str], pipe: Any = None) -> None:
         """Job hashes → status running on this worker (expired or finished ones untouched)."""
         if not job_ids:

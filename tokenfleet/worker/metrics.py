@@ -1,0 +1,131 @@
+"""Prometheus metrics of one worker, named the way vLLM and TGI users expect.
+
+Served by `tokenfleet worker --metrics-port N` (prometheus-client, its own
+registry: no global state). Gauges are refreshed from the engine after each
+tick; counters and histograms are fed from each tick's outputs and each
+finished job.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from tokenfleet.reasons import AdmissionReason, FinishReason
+from tokenfleet.worker.engine import Engine, Finished, StepOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class WorkerMetrics:
+    def __init__(self, worker: str, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ("worker", "model")
+        self._labels = {"worker": worker, "model": model}
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r)
+
+        self.running = gauge(
+            "tokenfleet_num_requests_running", "Sessions holding KV (prefill or decode)"
+        )
+        self.waiting = gauge("tokenfleet_num_requests_waiting", "Jobs waiting locally for room")
+        self.kv_usage = gauge(
+            "tokenfleet_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"
+        )
+        self.batch_size = gauge("tokenfleet_batch_size", "Decode sessions in the last tick")
+        self.prompt_tokens = Counter(
+            "tokenfleet_prompt_tokens", "Prefill tokens computed", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "tokenfleet_generation_tokens", "Tokens generated (decode)", labels, registry=r
+        )
+        self.finished = Counter(
+            "tokenfleet_request_success",
+            "Finished jobs by finish reason",
+            (*labels, "finished_reason"),
+            registry=r,
+        )
+        self.rejections = Counter(
+            "tokenfleet_admission_rejections",
+            "Admission rejections by reason",
+            (*labels, "reason"),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tokenfleet_time_to_first_token_seconds",
+            "Submit to first token",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tokenfleet_inter_token_latency_seconds",
+            "Time between two tokens of one job",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "tokenfleet_request_queue_time_seconds",
+            "Submit to admission by a worker",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokenfleet_e2e_request_latency_seconds",
+            "Submit to finish",
+            labels,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for reason in FinishReason:
+            self.finished.labels(**self._labels, finished_reason=str(reason))
+        for admission in AdmissionReason:
+            if not admission.accepted:
+                self.rejections.labels(**self._labels, reason=str(admission))
+        self._last_token_at: dict[str, float] = {}
+        self._rejected_seen: dict[str, int] = {}
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def observe_tick(self, engine: Engine, out: StepOutput) -> None:
+        now = time.monotonic()
+        lab = self._labels
+        self.prompt_tokens.labels(**lab).inc(out.prefill_tokens)
+        self.generation_tokens.labels(**lab).inc(len(out.tokens))
+        for event in out.tokens:
+            last = self._last_token_at.get(event.job_id)
+            if last is not None:
+                self.itl.labels(**lab).observe(now - last)
+            self._last_token_at[event.job_id] = now
+        self.batch_size.labels(**lab).set(out.decode_tokens)
+        self.running.labels(**lab).set(len(engine.sessions))
+        self.waiting.labels(**lab).set(len(engine.waiting))
+        blocks = engine.blocks
+        self.kv_usage.labels(**lab).set(blocks.num_allocated_blocks / max(1, blocks.num_blocks))
+        rejected = engine.telemetry().get("rejected_by_reason")
+        if isinstance(rejected, dict):
+            for reason, count in rejected.items():
+                seen = self._rejected_seen.get(reason, 0)
+                if isinstance(count, int) and count > seen:
+                    self.rejections.labels(**lab, reason=reason).inc(count - seen)
+                    self._rejected_seen[reason] = count
+
+    def observe_finished(self, done: Finished) -> None:
+        """A job's terminal outcome, once it is final (not an error about to be retried)."""
+        lab = self._labels
+        self._last_token_at.pop(done.job_id, None)
+        self.finished.labels(**lab, finished_reason=str(done.event.reason)).inc()
+        timings = done.event.timings
+        if timings.ttft_s is not None:
+            self.ttft.labels(**lab).observe(max(0.0, timings.ttft_s))
+        if timings.queued_s is not None:
+            self.queue_time.labels(**lab).observe(max(0.0, timings.queued_s))
+        if timings.total_s is not None:
+            self.e2e.labels(**lab).observe(max(0.0, timings.total_s))
