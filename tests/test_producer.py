@@ -280,3 +280,23 @@ def test_a_job_no_live_worker_could_hold_is_refused_at_submit(
         await aproducer.aclose()
 
     asyncio.run(refused_async())
+
+
+def test_assembler_sees_a_gap_only_when_something_is_missing() -> None:
+    from tokenfleet.producer.common import EventAssembler
+
+    asm = EventAssembler()
+    asm.feed(tokens("g", [0])[0])
+    assert not asm.gap  # the next token, not yet handed out: no hole
+    assert [e.index for e in asm.ready()] == [0]  # type: ignore[union-attr]
+    asm.feed(tokens("g", [2])[0])
+    assert asm.gap  # index 1 is missing
+    asm.feed(tokens("g", [1])[0])
+    assert not asm.gap
+    assert len(asm.ready()) == 2
+    asm.feed(finish("g", 5))
+    assert asm.gap  # the finish says 5 tokens; 3 arrived
+    asm.feed(tokens("g", [3])[0])
+    asm.feed(tokens("g", [4])[0])
+    assert not asm.gap
+    assert isinstance(asm.ready()[-1], FinishEvent) and asm.complete

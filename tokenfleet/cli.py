@@ -10,6 +10,7 @@ import typer
 
 from tokenfleet.config import Settings
 from tokenfleet.errors import TokenfleetError
+from tokenfleet.gateway.command import gateway as gateway_command
 from tokenfleet.keys import Keys
 
 app = typer.Typer(
@@ -152,6 +153,9 @@ def worker(
     max_deliveries: Annotated[int, typer.Option("--max-deliveries")] = 3,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="seconds")] = 30.0,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option("--metrics-port", help="serve Prometheus metrics on this port")
+    ] = None,
     fault_key: Annotated[
         str | None,
         typer.Option(
@@ -165,6 +169,12 @@ def worker(
     prefix: Prefix = None,
 ) -> None:
     """Serve jobs from the fleet's stream with one continuous-batching engine."""
+    import signal
+
+    # A signal while torch and the model load: nothing is held yet, so leave cleanly.
+    # The worker's own drain-then-stop handlers replace this once it runs.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     import logging
     import platform
 
@@ -220,8 +230,14 @@ def worker(
             "host": platform.node(),
         },
     )
+    metrics = None
+    if metrics_port is not None:
+        from tokenfleet.worker.metrics import WorkerMetrics
+
+        metrics = WorkerMetrics(worker_name, model_name or "default")
+        metrics.serve(metrics_port)
     client = redis.Redis.from_url(conf.redis_url, socket_timeout=10, health_check_interval=5)
-    runner = Worker(engine, client, Keys(conf.prefix), options)
+    runner = Worker(engine, client, Keys(conf.prefix), options, metrics)
     runner.install_signal_handlers()
     raise typer.Exit(code=runner.run())
 
@@ -391,6 +407,29 @@ def dead_letters(
             f"deliveries={e['deliveries']}  {e['message'][:100]}"
         )
     typer.echo(f"{client.xlen(keys.dead_letters())} dead letter(s) in {keys.dead_letters()}")
+
+
+app.command("gateway")(gateway_command)
+
+
+@app.command(
+    "bench",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="engine | e2e | gateway | submit")],
+) -> None:
+    """Run a benchmark from the source checkout's bench/ (extra options are passed on)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / f"{name}.py"
+    if not script.is_file():
+        raise fail(f"no benchmark {script} (benchmarks ship with the source checkout)")
+    sys.argv = [str(script), *ctx.args]
+    sys.path.insert(0, str(script.parent))
+    runpy.run_path(str(script), run_name="__main__")
 
 
 def main() -> None:

@@ -170,7 +170,16 @@ class EventAssembler:
 
     @property
     def gap(self) -> bool:
-        return bool(self.pending) or (self.finish is not None and not self.finish_delivered)
+        reach = self.next_index  # the first index `ready()` cannot hand out yet
+        while reach in self.pending:
+            reach += 1
+        if len(self.pending) > reach - self.next_index:  # a token beyond a hole
+            return True
+        return (
+            self.finish is not None
+            and not self.finish_delivered
+            and self.finish.usage.completion_tokens > reach
+        )
 
     @property
     def complete(self) -> bool:

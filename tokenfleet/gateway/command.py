@@ -1,0 +1,92 @@
+"""`tokenfleet gateway`: serve the OpenAI-compatible HTTP API (registered in cli.py).
+
+API keys come from `--api-key` (repeatable) and `$TOKENFLEET_API_KEYS`
+(comma-separated), read here at the edge. Without a key the gateway only binds a
+loopback address, unless `--insecure-no-auth` says otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Annotated
+
+import typer
+
+API_KEYS_ENV = "TOKENFLEET_API_KEYS"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
+
+
+def api_keys_from(flags: list[str] | None, env: str | None) -> tuple[str, ...]:
+    keys = [k.strip() for k in (flags or [])]
+    keys += [k.strip() for k in (env or "").split(",")]
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+def gateway(
+    host: Annotated[str, typer.Option("--host", help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port")] = 8000,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            help=f"accepted bearer token (repeatable; also ${API_KEYS_ENV}, comma-separated)",
+        ),
+    ] = None,
+    insecure_no_auth: Annotated[
+        bool,
+        typer.Option("--insecure-no-auth", help="allow a non-loopback --host without API keys"),
+    ] = False,
+    retry_after: Annotated[
+        int, typer.Option("--retry-after", help="Retry-After seconds of a 429 (queue full)")
+    ] = 1,
+    default_max_tokens: Annotated[
+        int, typer.Option("--default-max-tokens", help="chat requests that name no max_tokens")
+    ] = 256,
+    job_timeout: Annotated[
+        float | None,
+        typer.Option("--job-timeout", help="deadline of every job, seconds after submit"),
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
+    redis_url: Annotated[
+        str | None,
+        typer.Option(
+            "--redis-url", help="Redis URL (default: $REDIS_URL or redis://127.0.0.1:6379/0)"
+        ),
+    ] = None,
+    prefix: Annotated[str | None, typer.Option("--prefix", help="key prefix of the fleet")] = None,
+) -> None:
+    """Serve OpenAI-compatible /v1/completions and /v1/chat/completions over the fleet."""
+    import uvicorn
+
+    from tokenfleet.cli import fail, settings
+    from tokenfleet.gateway.app import create_app
+    from tokenfleet.gateway.service import GatewayConfig
+
+    keys = api_keys_from(api_key, os.environ.get(API_KEYS_ENV))
+    if not keys and not is_loopback(host) and not insecure_no_auth:
+        raise fail(
+            f"refusing to serve {host} without API keys: pass --api-key (or set "
+            f"${API_KEYS_ENV}), bind 127.0.0.1, or pass --insecure-no-auth"
+        )
+    try:
+        config = GatewayConfig.from_settings(
+            settings(redis_url, prefix),
+            api_keys=keys,
+            retry_after_s=retry_after,
+            default_max_tokens=default_max_tokens,
+            job_timeout_s=job_timeout,
+        )
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    auth = f"{len(keys)} API key(s)" if keys else "no auth"
+    typer.echo(f"tokenfleet gateway on http://{host}:{port} ({auth}; fleet prefix {config.prefix})")
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)

@@ -1,0 +1,116 @@
+"""Everything that can go wrong, as OpenAI-style HTTP errors.
+
+Every error body is ``{"error": {"message", "type", "param", "code"}}``. The
+table in docs/http.md is the reference; `from_finish` is the part of it that
+turns a job's terminal event into a status code.
+"""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from tokenfleet.gateway.openai_models import ErrorBody, ErrorDetail
+from tokenfleet.protocol import FinishEvent
+from tokenfleet.reasons import AdmissionReason, FinishReason
+
+INVALID = "invalid_request_error"
+
+# Protocol field → the OpenAI parameter it came from (for `param`).
+_PARAM_OF = {
+    "max_new_tokens": "max_tokens",
+    "prompt_ids": "prompt",
+    "metadata": "user",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = INVALID,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        body = ErrorBody(error=self.detail).model_dump(mode="json")
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def sse(self) -> bytes:
+        """The same error as one server-sent event (the OpenAI client raises on it)."""
+        return f"data: {ErrorBody(error=self.detail).model_dump_json()}\n\n".encode()
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """('messages', 0, 'role') → 'messages[0].role'; sampling.x → x; protocol names mapped."""
+    parts = [p for p in loc if p not in ("sampling",)]
+    if not parts:
+        return None
+    head = _PARAM_OF.get(str(parts[0]), str(parts[0]))
+    out = head
+    for p in parts[1:]:
+        out += f"[{p}]" if isinstance(p, int) else f".{p}"
+    return out
+
+
+def from_validation(exc: ValidationError) -> ApiError:
+    """A 400 naming the first bad field (a body that is not JSON says so)."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return ApiError(
+            400,
+            f"the body is not valid JSON: {first['ctx'].get('error', first['msg'])}",
+            code="invalid_json",
+        )
+    if first["type"] == "model_type" or (first["type"] == "dict_type" and not first["loc"]):
+        return ApiError(400, "the body must be a JSON object", code="invalid_json")
+    problems = []
+    for err in errors[:5]:
+        where = _param(tuple(err["loc"])) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        problems.append(f"{where}: {msg}")
+    code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
+    if first["type"] == "missing":
+        code = "missing_parameter"
+    return ApiError(400, "; ".join(problems), param=_param(tuple(first["loc"])), code=code)
+
+
+def from_finish(finish: FinishEvent, retry_after_s: int) -> ApiError:
+    """A job that was rejected or failed, as the HTTP error the client sees."""
+    assert finish.reason in (FinishReason.REJECTED, FinishReason.ERROR)
+    reason = finish.error.reason if finish.error else str(finish.reason)
+    message = finish.error.message if finish.error else f"the job ended as {finish.reason}"
+    if finish.reason == FinishReason.ERROR:
+        return ApiError(500, f"generation failed: {message}", type="server_error", code=reason)
+    if reason == AdmissionReason.REJECTED_QUEUE_FULL:
+        return ApiError(
+            429,
+            f"the worker had no room: {message}",
+            type="rate_limit_error",
+            code=reason,
+            headers={"Retry-After": str(retry_after_s)},
+        )
+    if reason == AdmissionReason.REJECTED_DUPLICATE:
+        return ApiError(409, message, code=reason)
+    return ApiError(400, f"the fleet rejected the request ({reason}): {message}", code=reason)
+
+
+def unauthorized(message: str) -> ApiError:
+    return ApiError(
+        401,
+        message,
+        type="authentication_error",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": "Bearer"},
+    )

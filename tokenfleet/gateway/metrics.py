@@ -1,0 +1,115 @@
+"""Prometheus metrics of one gateway, on its own registry (so several apps can share a
+process, as the tests do), and the ASGI middleware that counts requests."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Seconds from the request's arrival to its first token: queueing + prefill + one hop.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "tokenfleet_gateway_requests",
+            "HTTP requests by route template and status code (499: client went away)",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.streamed_tokens = Counter(
+            "tokenfleet_gateway_streamed_tokens",
+            "tokens sent to clients as server-sent events",
+            ["model"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "tokenfleet_gateway_completion_tokens",
+            "tokens generated for gateway requests (streamed or not)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "tokenfleet_gateway_time_to_first_token_seconds",
+            "request arrival to the first token, as the gateway saw it",
+            ["model"],
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_full = Counter(
+            "tokenfleet_gateway_queue_full_rejections",
+            "requests refused with 429 because the model's jobs stream was at its cap",
+            ["model"],
+            registry=self.registry,
+        )
+        self.cancelled = Counter(
+            "tokenfleet_gateway_client_cancellations",
+            "jobs cancelled because their client disconnected before the end",
+            ["model"],
+            registry=self.registry,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTally:
+    """One request's token metrics, labelled once by `model`."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, arrived: float) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.arrived = arrived  # time.monotonic() when the request came in
+        self._children: tuple[Histogram, Counter, Counter] | None = None
+
+    def token(self, *, streamed: bool) -> None:
+        if self._children is None:  # the first token
+            m = self.metrics
+            self._children = (
+                m.ttft.labels(self.model),
+                m.completion_tokens.labels(self.model),
+                m.streamed_tokens.labels(self.model),
+            )
+            self._children[0].observe(time.monotonic() - self.arrived)
+        _, completion, stream = self._children
+        completion.inc()
+        if streamed:
+            stream.inc()
+
+
+class RequestCounter:
+    """Pure ASGI middleware: counts each HTTP request by route template and status.
+
+    (Starlette's BaseHTTPMiddleware would sit between a streaming response and the
+    client's disconnect; this only watches `http.response.start` go by.)"""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 499  # no response started: the client went away first
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if status == 499:  # failed before answering
+                status = 500
+            raise
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(template, str(status)).inc()

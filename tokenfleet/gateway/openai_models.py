@@ -1,0 +1,389 @@
+"""The subset of the OpenAI HTTP API the gateway speaks, as pydantic models.
+
+Requests are validated strictly (``extra="forbid"``: an unknown field is a 400
+naming it) with the fleet's own limits from `tokenfleet.protocol`, so an error
+names the OpenAI field (``max_tokens``), not the protocol one
+(``max_new_tokens``). Parameters the fleet cannot honour (``n`` > 1, penalties,
+logprobs, several prompts) are refused rather than ignored.
+
+Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``ignore_eos``,
+``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+from tokenfleet.protocol import (
+    MAX_MESSAGE_CHARS,
+    MAX_MESSAGES,
+    MAX_METADATA_VALUE_CHARS,
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKENS,
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+)
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+
+# ---- requests -----------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationParams(_Strict):
+    """What completions and chat completions share."""
+
+    model: str = Field(min_length=1, max_length=256)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(default=None, max_length=MAX_METADATA_VALUE_CHARS)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # extensions
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_limit(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_NEW_TOKENS:
+            raise ValueError(
+                f"max_tokens is {value}, over the fleet's limit MAX_NEW_TOKENS={MAX_NEW_TOKENS}"
+            )
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"n={value} is not supported: only n=1 (send several requests)")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0.0):
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_limits(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"{len(stops)} stop strings, limit MAX_STOP_STRINGS={MAX_STOP_STRINGS}"
+            )
+        for s in stops:
+            if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"a stop string has {len(s)} characters; each needs 1 to "
+                    f"MAX_STOP_STRING_CHARS={MAX_STOP_STRING_CHARS}"
+                )
+        return value
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def fleet_fields(self, max_tokens: int) -> dict[str, Any]:
+        """GenerationRequest fields for everything but the prompt, model and job id."""
+        temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        return {
+            "max_new_tokens": max_tokens,
+            "sampling": {
+                "temperature": temperature,
+                "top_k": self.top_k or 0,
+                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "seed": self.seed,
+            },
+            "stop": self.stop_list,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class CompletionRequest(_GenerationParams):
+    """POST /v1/completions. `prompt`: one string or one list of token ids."""
+
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(
+        cls, value: str | list[str] | list[int] | list[list[int]]
+    ) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError(
+                    f"{len(value)} prompts in one request: only one is supported (send several)"
+                )
+            value = value[0]
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("the prompt is empty")
+            if len(value) > MAX_PROMPT_CHARS:
+                raise ValueError(
+                    f"the prompt has {len(value):,} characters, "
+                    f"limit MAX_PROMPT_CHARS={MAX_PROMPT_CHARS}"
+                )
+        elif not value:
+            raise ValueError("the prompt is empty")
+        elif len(value) > MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"the prompt has {len(value):,} token ids, "
+                f"limit MAX_PROMPT_TOKENS={MAX_PROMPT_TOKENS}"
+            )
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError("best_of is not supported (only 1)")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    def prompt_fields(self) -> dict[str, Any]:
+        """{"prompt": text} or {"prompt_ids": ids} (validation left exactly one prompt)."""
+        value: Any = self.prompt
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            value = value[0]
+        return {"prompt": value} if isinstance(value, str) else {"prompt_ids": list(value)}
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Strict):
+    role: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(default=None, max_length=64)  # accepted, not forwarded
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+    @field_validator("content")
+    @classmethod
+    def _content_limit(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        size = len(value) if isinstance(value, str) else sum(len(p.text) for p in value or [])
+        if size > MAX_MESSAGE_CHARS:
+            raise ValueError(
+                f"the message has {size:,} characters, limit MAX_MESSAGE_CHARS={MAX_MESSAGE_CHARS}"
+            )
+        return value
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_GenerationParams):
+    """POST /v1/chat/completions. The worker renders `messages` with its chat template."""
+
+    messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    @field_validator("max_completion_tokens")
+    @classmethod
+    def _completion_limit(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_NEW_TOKENS:
+            raise ValueError(
+                f"max_completion_tokens is {value}, over the fleet's limit "
+                f"MAX_NEW_TOKENS={MAX_NEW_TOKENS}"
+            )
+        return value
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    def prompt_fields(self) -> dict[str, Any]:
+        return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+
+
+# ---- responses ----------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class UsageOut(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Out):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    fleet_finish_reason: str | None = None  # the fleet's own reason (cancelled, deadline, ...)
+
+
+class CompletionResponse(_Out):
+    """Both the JSON body and each streamed chunk (OpenAI uses one object type for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut | None = None
+
+
+class ChatMessageOut(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str
+    fleet_finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class ChatDelta(_Out):
+    """Only the fields a chunk carries: `{"role": ...}` first, then `{"content": ...}`,
+    and `{}` in the closing chunk (as OpenAI sends them)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        return {k: v for k, v in out.items() if v is not None}
+
+
+class ChatChunkChoice(_Out):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+    fleet_finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageOut | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tokenfleet"
+    workers: int  # live workers serving it
+    checkpoints: list[str]
+    max_job_tokens: int | None  # the largest prompt + max_tokens one of them can hold
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(_Out):
+    error: ErrorDetail
