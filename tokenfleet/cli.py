@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -270,6 +270,25 @@ def demo(
     raise typer.Exit(code=code)
 
 
+def _watch_status(client: Any, keys: Keys, *, full_screen: bool) -> None:
+    """Redraw the status tables every second until Ctrl-C."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from tokenfleet.status import fleet_status, render_status
+
+    view = render_status(fleet_status(client, keys))
+    with Live(view, console=Console(), screen=full_screen) as screen:
+        try:
+            while True:
+                time.sleep(1)
+                screen.update(render_status(fleet_status(client, keys)))
+        except KeyboardInterrupt:
+            pass
+
+
 @app.command()
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False,
@@ -278,11 +297,8 @@ def status(
     prefix: Prefix = None,
 ) -> None:
     """Queue depth, waiting vs in flight, dead letters, and every live worker."""
-    import time
-
     import redis
     from rich.console import Console
-    from rich.live import Live
 
     from tokenfleet.status import fleet_status, render_status
 
@@ -291,41 +307,19 @@ def status(
     keys = Keys(conf.prefix)
     if as_json:
         typer.echo(json.dumps(fleet_status(client, keys)))
-        return
-    console = Console()
-    if not watch:
-        console.print(render_status(fleet_status(client, keys)))
-        return
-    with Live(render_status(fleet_status(client, keys)), console=console) as screen:
-        try:
-            while True:
-                time.sleep(1)
-                screen.update(render_status(fleet_status(client, keys)))
-        except KeyboardInterrupt:
-            pass
+    elif watch:
+        _watch_status(client, keys, full_screen=False)
+    else:
+        Console().print(render_status(fleet_status(client, keys)))
 
 
 @app.command()
 def top(redis_url: RedisUrl = None, prefix: Prefix = None) -> None:
     """Full-screen live view of the queues and the fleet (Ctrl-C to quit)."""
-    import time
-
     import redis
-    from rich.console import Console
-    from rich.live import Live
-
-    from tokenfleet.status import fleet_status, render_status
 
     conf = settings(redis_url, prefix)
-    client = redis.Redis.from_url(conf.redis_url)
-    keys = Keys(conf.prefix)
-    with Live(render_status(fleet_status(client, keys)), console=Console(), screen=True) as screen:
-        try:
-            while True:
-                time.sleep(1)
-                screen.update(render_status(fleet_status(client, keys)))
-        except KeyboardInterrupt:
-            pass
+    _watch_status(redis.Redis.from_url(conf.redis_url), Keys(conf.prefix), full_screen=True)
 
 
 @app.command()
@@ -433,7 +427,13 @@ def bench(
 
 
 def main() -> None:
-    app()
+    import redis
+
+    try:
+        app()
+    except redis.ConnectionError as exc:
+        typer.echo(f"error: cannot reach Redis ({exc})", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
