@@ -105,6 +105,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
         self._resync = False  # after a reconnect: re-read own pending list, re-send events
+        self._cancel_seen: set[str] | None = None  # cancel flags read with the last publish
         self.started_at = time.time()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -224,7 +225,12 @@ class Worker:
                 log.info("claimed %d orphaned job(s) of dead workers", len(deliveries))
         idle = not self.engine.has_work and not deliveries
         block = self.options.idle_block_ms if idle else None
-        deliveries += self.queue.read(room - len(deliveries), block)
+        fresh = self.queue.read(room - len(deliveries), block)
+        if block is not None and 0 < len(fresh) < room - len(deliveries):
+            # A blocked read wakes on the first new entry; take the rest of a burst
+            # now rather than start a tick with one job while the others wait.
+            fresh += self.queue.read(room - len(deliveries) - len(fresh), None)
+        deliveries += fresh
         started: list[str] = []
         for delivery in deliveries:
             job_id = self._accept(delivery)
@@ -290,8 +296,11 @@ class Worker:
             self._submit(held, request)
 
     def tick(self) -> tuple[list[TokenEvent], list[Finished]]:
-        active = list(self.held)
-        for job_id in self.queue.cancelled(active) if active else ():
+        if self._cancel_seen is not None:  # read with the last publish
+            cancelled, self._cancel_seen = self._cancel_seen, None
+        else:
+            cancelled = self.queue.cancelled(list(self.held)) if self.held else set()
+        for job_id in cancelled:
             self.engine.cancel(job_id)
         if not self.engine.has_work:
             return [], []
@@ -310,7 +319,14 @@ class Worker:
                 queue_event(pipe, self.keys, event)
             if self._heartbeat_due():
                 self.heartbeat(pipe=pipe)
-            pipe.execute()
+            # The next tick's cancel check rides along: one round trip fewer per tick.
+            watched = list(self.held)
+            if watched:
+                pipe.mget([self.keys.cancel(job_id) for job_id in watched])
+            replies = pipe.execute()
+            if watched:
+                flags = replies[-1]
+                self._cancel_seen = {j for j, f in zip(watched, flags, strict=True) if f}
             self.outbox_tokens = []
         while self.outbox_finished:
             self._finish(self.outbox_finished[0])
