@@ -22,7 +22,7 @@ DEFAULT_MODEL = "default"
 # Lifetimes, in seconds.
 JOB_STATE_TTL_S = 7 * 24 * 3600  # job hash: refreshed on submit and finish; bounds idempotency
 RESULT_TTL_S = 24 * 3600  # stored result, from finish
-EVENTS_TTL_S = 24 * 3600  # per-job replay stream, refreshed on every append
+EVENTS_TTL_S = 24 * 3600  # per-job replay stream: set by its first event and by the finish
 EVENTS_MAXLEN = 10_000  # replay stream entries kept (≥ MAX_NEW_TOKENS + 1)
 CANCEL_TTL_S = 24 * 3600  # cancel flag
 WORKER_TTL_S = 5  # worker hash = heartbeat: a worker silent this long is presumed dead

@@ -19,7 +19,10 @@ def queue_event(pipe: Any, keys: Keys, event: TokenEvent | FinishEvent) -> None:
     stream = keys.events(event.job_id)
     # Trimming is safe here: it bounds a replay log that holds at most MAX_NEW_TOKENS + 1.
     pipe.xadd(stream, {"m": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-    pipe.expire(stream, EVENTS_TTL_S)
+    if not isinstance(event, TokenEvent) or event.index == 0:
+        # The TTL is set by the first event and set again by the finish (finish.lua):
+        # refreshing it on every token would cost a third of a tick's commands.
+        pipe.expire(stream, EVENTS_TTL_S)
     pipe.publish(keys.channel(event.job_id), data)
 
 
