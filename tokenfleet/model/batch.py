@@ -73,8 +73,10 @@ class BatchPlan:
         if total != num_tokens:
             raise ValueError(f"input has {num_tokens} tokens but seqs claim {total}")
 
-        positions: list[Tensor] = []
-        write_slots: list[Tensor] = []
+        # Positions and write slots are plain ints until one tensor each at the end:
+        # a tensor per sequence costs more than the arithmetic (decode rows are 1 token).
+        positions: list[int] = []
+        write_slots: list[int] = []
         last_rows: list[int] = []
         decode_rows: list[int] = []
         decode_seqs: list[SeqInput] = []
@@ -91,10 +93,9 @@ class BatchPlan:
                 )
             if min(used) < 0 or max(used) >= num_blocks:
                 raise ValueError(f"block table {used} has ids outside the pool's {num_blocks}")
-            bt = torch.tensor(s.block_table, dtype=torch.long)
-            pos = torch.arange(s.start_pos, stop)
-            positions.append(pos)
-            write_slots.append(_slots(bt, pos, block_size))
+            span = range(s.start_pos, stop)
+            positions.extend(span)
+            write_slots.extend(used[p // block_size] * block_size + p % block_size for p in span)
             last_rows.append(row + s.num_new - 1)
             if s.num_new == 1:
                 decode_rows.append(row)
@@ -102,6 +103,8 @@ class BatchPlan:
             elif s.start_pos == 0:
                 prefills.append(PrefillSpan(row, s.num_new, None, None))
             else:
+                bt = torch.tensor(used, dtype=torch.long)
+                pos = torch.arange(s.start_pos, stop)
                 ctx = torch.arange(stop)
                 # query i sits at position start_pos + i and sees keys 0..start_pos + i
                 mask = ctx[None, :] <= pos[:, None]  # [num_new, stop]
@@ -113,8 +116,8 @@ class BatchPlan:
             row += s.num_new
 
         return cls(
-            positions=torch.cat(positions).to(device),
-            write_slots=torch.cat(write_slots).to(device),
+            positions=torch.tensor(positions, dtype=torch.long).to(device),
+            write_slots=torch.tensor(write_slots, dtype=torch.long).to(device),
             last_rows=torch.tensor(last_rows, dtype=torch.long).to(device),
             decode=_decode_group(decode_rows, decode_seqs, num_tokens, block_size, device),
             prefills=tuple(prefills),
@@ -137,10 +140,11 @@ def _decode_group(
     ctx_lens = torch.tensor([s.start_pos + 1 for s in seqs], dtype=torch.long)  # [B]
     max_len = int(ctx_lens.max())
     max_blocks = -(-max_len // block_size)
-    tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)  # [B, max_blocks]
-    for i, s in enumerate(seqs):
-        n = min(len(s.block_table), max_blocks)
-        tables[i, :n] = torch.tensor(s.block_table[:n], dtype=torch.long)
+    padded = [
+        s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
+        for s in seqs
+    ]
+    tables = torch.tensor(padded, dtype=torch.long)  # [B, max_blocks]
     keys = torch.arange(max_len)[None, :]  # [1, Lmax]
     # Padding keys point at the row's own last real slot: the mask hides them, and
     # reading only the row's own blocks keeps other sequences' data out entirely.
