@@ -244,10 +244,10 @@ def worker(
 
 @app.command()
 def demo(
-    jobs: Annotated[int, typer.Option("--jobs", help="how many jobs to submit")] = 12,
+    jobs: Annotated[int, typer.Option("--jobs", help="how many jobs to submit")] = 24,
     workers: Annotated[int, typer.Option("--workers", help="worker processes")] = 2,
     producers: Annotated[int, typer.Option("--producers", help="producer threads")] = 3,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 48,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 160,
     live: Annotated[bool, typer.Option("--live/--no-live", help="live view or plain lines")] = True,
     redis_url: Annotated[
         str | None, typer.Option("--redis-url", help="use this Redis instead of an embedded one")
