@@ -16,6 +16,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).parent))  # plain helper modules beside the tests
 
+from fleet import Fleet
 from support import RedisServer, free_port
 
 
@@ -57,3 +58,11 @@ def fake_r() -> Iterator[redis.Redis]:
 def _torch_threads() -> None:
     # Keep tests predictable on small CI machines.
     os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture
+def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
+    """Real `tokenfleet worker` processes on the session's Redis, killed after the test."""
+    fleet = Fleet(redis_url, tmp_path)
+    yield fleet
+    fleet.stop_all()

@@ -17,11 +17,9 @@ from threading import Event
 import pytest
 import redis
 
+from tokenfleet.local import free_port
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["LostReplyProxy", "RedisServer", "free_port", "wait_for"]
 
 
 def wait_for(

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -15,13 +13,6 @@ from support import free_port, wait_for
 from tokenfleet.errors import JobRejected
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest
-
-
-@pytest.fixture
-def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(redis_url, tmp_path)
-    yield fleet
-    fleet.stop_all()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

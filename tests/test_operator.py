@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +27,6 @@ from tokenfleet.worker.recovery import live_workers
 
 ROOT = Path(__file__).parent.parent
 KEYS = Keys()
-
-
-@pytest.fixture
-def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(redis_url, tmp_path)
-    yield fleet
-    fleet.stop_all()
 
 
 def cli(

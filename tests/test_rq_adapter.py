@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,13 +27,6 @@ from rq import Queue, Worker
 connection = Redis.from_url(sys.argv[1])
 Worker([Queue("gen", connection=connection)], connection=connection).work(burst=True)
 """
-
-
-@pytest.fixture
-def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(redis_url, tmp_path)
-    yield fleet
-    fleet.stop_all()
 
 
 @pytest.fixture

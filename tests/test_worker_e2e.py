@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 import redis
 from fleet import Fleet
 
@@ -17,13 +13,6 @@ from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.engine import Engine, EngineConfig
 
 KEYS = Keys()
-
-
-@pytest.fixture
-def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(redis_url, tmp_path)
-    yield fleet
-    fleet.stop_all()
 
 
 def in_process(requests: list[GenerationRequest]) -> dict[str, tuple[list[int], str]]:

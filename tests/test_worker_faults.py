@@ -50,13 +50,6 @@ STREAM = KEYS.jobs()
 
 
 @pytest.fixture
-def fleet(redis_url: str, tmp_path: Path) -> Iterator[Fleet]:
-    fleet = Fleet(redis_url, tmp_path)
-    yield fleet
-    fleet.stop_all()
-
-
-@pytest.fixture
 def aof_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own, with appendonly on (it survives a restart)."""
     server = RedisServer(port=free_port(), dir=tmp_path / "aof-redis", appendonly=True)
