@@ -37,6 +37,27 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
     yield redis_server.url
 
 
+def _private_redis(tmp_path: Path, appendonly: bool) -> Iterator[RedisServer]:
+    server = RedisServer(port=free_port(), dir=tmp_path / "private-redis", appendonly=appendonly)
+    server.dir.mkdir()
+    server.start()
+    yield server
+    server.stop(kill=True)
+
+
+@pytest.fixture
+def aof_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, with appendonly on (it survives a restart)."""
+    yield from _private_redis(tmp_path, appendonly=True)
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test's own, without persistence (restart, reconfigure,
+    kill it freely: no other test shares it)."""
+    yield from _private_redis(tmp_path, appendonly=False)
+
+
 @pytest.fixture
 def r(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)

@@ -19,7 +19,7 @@ import redis
 
 from tokenfleet.local import free_port
 
-__all__ = ["LostReplyProxy", "RedisServer", "free_port", "wait_for"]
+__all__ = ["LostReplyProxy", "PartitionProxy", "RedisServer", "free_port", "wait_for"]
 
 
 def wait_for(
@@ -155,3 +155,64 @@ def _close(*socks: socket.socket) -> None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
         sock.close()
+
+
+class PartitionProxy:
+    """A TCP proxy in front of a redis-server that can cut the network and heal it.
+
+    `cut()` is a partition as a client meets it: bytes in flight on open connections
+    are dropped, new connections are accepted but nothing reaches the server, and
+    nothing answers (the client's socket timeout fires). `heal()` closes what the cut
+    left hanging and forwards again."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.partitioned = threading.Event()
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def cut(self) -> None:
+        self.partitioned.set()
+
+    def heal(self) -> None:
+        with self._lock:
+            hanging, self._open = self._open, []
+        self.partitioned.clear()
+        _close(*hanging)
+
+    def close(self) -> None:
+        self.listener.close()
+        self.heal()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._open.append(client)
+            if self.partitioned.is_set():
+                continue  # a black hole: accepted, never forwarded, closed by heal()
+            server = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._open.append(server)
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        while data := _recv(source):
+            if self.partitioned.is_set():
+                continue  # dropped on the floor, like packets during a partition
+            try:
+                sink.sendall(data)
+            except OSError:
+                break
+        _close(source, sink)

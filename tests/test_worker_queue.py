@@ -26,7 +26,16 @@ from tokenfleet.protocol import (
 )
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.publish import queue_event
-from tokenfleet.worker.queue import Delivery, WorkerQueue, live_workers, queue_stats
+from tokenfleet.worker.queue import (
+    Delivery,
+    TickReply,
+    TickVerdict,
+    TickWrite,
+    Verdict,
+    WorkerQueue,
+    live_workers,
+    queue_stats,
+)
 
 KEYS = Keys()
 STREAM = KEYS.jobs()
@@ -114,7 +123,7 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     (handle,) = submit(r, 1)
     a = worker(r, "a")
     (d,) = a.read(1)
-    a.mark_running(["job-0"])
+    assert a.accept([d]) == [(Verdict.OK, False)]
     assert handle.status().status == "running" and handle.status().worker == "a"
 
     pubsub = r.pubsub(ignore_subscribe_messages=True)
@@ -305,20 +314,96 @@ def test_dead_letter_of_unreadable_entry(r: redis.Redis) -> None:
 
 
 # --- job state, cancel, resume ----------------------------------------------------
-def test_mark_running_never_resurrects_or_reopens_jobs(r: redis.Redis) -> None:
+def test_accept_serves_only_the_entry_the_submit_script_recorded(r: redis.Redis) -> None:
     handles = submit(r, 3)
     a = worker(r, "a")
-    r.delete(KEYS.job("job-1"))  # expired
+    r.delete(KEYS.job("job-1"))  # expired (or never submitted)
     r.hset(KEYS.job("job-2"), "status", "finished")
-    pipe = r.pipeline(transaction=False)
-    a.mark_running(["job-0", "job-1", "job-2"], pipe=pipe)
-    assert pipe.execute() == [1]
+    r.xadd(STREAM, {"job_id": "job-0", "payload": b"x"})  # a second entry naming job-0
+    r.xadd(STREAM, {"job_id": "never", "payload": b"x"})  # XADDed around the submit script
+    assert handles[0].cancel()
+    got = a.read(10)
+    assert [d.job_id for d in got] == ["job-0", "job-1", "job-2", "job-0", "never"]
+    assert a.accept(got) == [
+        (Verdict.OK, True),
+        (Verdict.UNSUBMITTED, False),
+        (Verdict.FINISHED, False),
+        (Verdict.DUPLICATE, True),
+        (Verdict.UNSUBMITTED, False),
+    ]
     status = handles[0].status()
     assert status.status == "running" and status.worker == "a"
     assert float(status.fields["started_at"]) > 0 and r.ttl(KEYS.job("job-0")) > 0
-    assert not r.exists(KEYS.job("job-1"))
+    assert not r.exists(KEYS.job("job-1")) and not r.exists(KEYS.job("never"))
     assert handles[2].status().status == "finished"
-    a.mark_running([])  # nothing to do
+    assert a.accept([]) == []
+
+
+def _tick(queue: WorkerQueue, *writes: TickWrite) -> list[TickReply]:
+    pipe = queue.redis.pipeline(transaction=False)
+    queue.tick(list(writes), pipe)
+    (reply,) = pipe.execute()
+    return queue.parse_tick(reply)
+
+
+def _tokens(job_id: str, indices: range) -> list[TokenEvent]:
+    return [TokenEvent(job_id=job_id, index=i, token_id=100 + i, text=f"t{i}") for i in indices]
+
+
+def test_tick_appends_each_index_once_and_finishes_only_what_it_owns(r: redis.Redis) -> None:
+    submit(r, 2)
+    a, b = worker(r, "a"), worker(r, "b")
+    d0, d1 = a.read(2)
+    a.accept([d0, d1])
+    w0 = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(3)))
+    w1 = TickWrite(d1.entry_id, "job-1", _tokens("job-1", range(2)))
+    assert _tick(a, w0, w1) == [TickReply(TickVerdict.OK, 3), TickReply(TickVerdict.OK, 2)]
+    # A resync resends everything: only the missing indices are appended.
+    again = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(5)))
+    assert _tick(a, again) == [TickReply(TickVerdict.OK, 5)]
+    assert [e.index for e in events(r, "job-0")] == [0, 1, 2, 3, 4]
+    assert r.hget(KEYS.job("job-0"), "emitted") == b"5"
+    # An event past a hole is not appended: the worker is told where to resend from.
+    hole = TickWrite(d1.entry_id, "job-1", _tokens("job-1", range(3, 4)))
+    assert _tick(a, hole) == [TickReply(TickVerdict.GAP, 2)]
+    assert [e.index for e in events(r, "job-1")] == [0, 1]
+    # Another worker never writes for a's jobs, whatever it sends.
+    assert _tick(b, TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(5, 9)))) == [
+        TickReply(TickVerdict.LOST, 0)
+    ]
+    result, fin = outcome("job-0")
+    result = result.model_copy(update={"token_ids": [100 + i for i in range(5)]})
+    end = TickWrite(d0.entry_id, "job-0", [], (result, fin))
+    assert _tick(b, end) == [TickReply(TickVerdict.LOST, 0)]
+    assert not r.exists(KEYS.result("job-0"))
+    assert _tick(a, end) == [TickReply(TickVerdict.DONE, 5)]
+    assert decode_result(r.get(KEYS.result("job-0"))) == result
+    assert [type(e).__name__ for e in events(r, "job-0")] == ["TokenEvent"] * 5 + ["FinishEvent"]
+    # Finished: a late tick (a paused worker waking up) writes nothing more.
+    late = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(7)), (result, fin))
+    assert _tick(a, late) == [TickReply(TickVerdict.LOST, 0)]
+    assert len(events(r, "job-0")) == 6 and len(finish_events(r, "job-0")) == 1
+    assert r.xlen(STREAM) == 1  # job-1 is still in flight
+
+
+def test_tick_reports_cancel_and_fences_a_claimed_job(r: redis.Redis) -> None:
+    (handle,) = submit(r, 1)
+    a, b = worker(r, "a"), worker(r, "b")
+    (d,) = a.read(1)
+    a.accept([d])
+    assert handle.cancel()
+    assert _tick(a, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(1)))) == [
+        TickReply(TickVerdict.CANCEL, 1)
+    ]
+    # b takes the entry over (a's heartbeat expired): a's writes are refused from now on.
+    r.xclaim(STREAM, GROUP, "b", 0, [d.entry_id])
+    assert _tick(a, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(4)))) == [
+        TickReply(TickVerdict.LOST, 0)
+    ]
+    assert _tick(b, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(2)))) == [
+        TickReply(TickVerdict.CANCEL, 2)
+    ]
+    assert [e.index for e in events(r, "job-0")] == [0, 1]
 
 
 def test_cancelled_reads_the_clients_flags(r: redis.Redis) -> None:

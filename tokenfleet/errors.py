@@ -73,6 +73,16 @@ class JobNotFound(TokenfleetError):
         self.job_id = job_id
 
 
+class JobLost(TokenfleetError):
+    """The fleet lost the job's state while the caller followed it (e.g. Redis restarted
+    without persistence): it will never finish. Submit it again."""
+
+    def __init__(self, job_id: str, detail: str = "") -> None:
+        message = f"job {job_id} was lost by the fleet (its state is gone from Redis)"
+        super().__init__(f"{message}: {detail}" if detail else message)
+        self.job_id = job_id
+
+
 class ModelLoadError(TokenfleetError):
     """A model folder or preset could not be loaded (missing files, unsupported architecture)."""
 

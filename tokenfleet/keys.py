@@ -101,6 +101,11 @@ class Keys:
         """Sorted set: worker name → last heartbeat (unix s). No TTL; stale names are pruned."""
         return f"{self.prefix}workers"
 
+    def probe(self, worker: str) -> str:
+        """Prefix of the throwaway keys a worker's start-up permission check uses (deleted
+        by the same script; EXPIRE 10 s on the ones that could outlive it)."""
+        return f"{self.prefix}probe:{worker}"
+
     def telemetry_channel(self) -> str:
         """Pub/sub channel: every worker's telemetry, about once a second (JSON)."""
         return f"{self.prefix}telemetry"

@@ -115,6 +115,9 @@ class GenerationRequest(_Message):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False  # keep generating past the model's end-of-sequence tokens
     deadline: float | None = Field(default=None, ge=0.0, description="unix time, seconds")
+    # Unix time by which a worker must have started the job: one that is still queued
+    # then ends as `deadline` (error reason `queue_deadline`) before any prefill.
+    queue_deadline: float | None = Field(default=None, ge=0.0, description="unix time, seconds")
     model: Annotated[str, Field(pattern=MODEL_NAME_PATTERN)] | None = None
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
         default_factory=dict, max_length=MAX_METADATA_ITEMS

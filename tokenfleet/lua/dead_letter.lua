@@ -14,8 +14,8 @@
 -- ARGV[12..19]  optional terminal block, as finish.lua's ARGV[5..12]
 --
 -- The job id comes from the entry or its payload, which anyone who can XADD wrote: the
--- terminal block is skipped when the job's state hash records a different entry (a
--- job submitted as another entry, which a spoofed or duplicated id must not end).
+-- terminal block is skipped unless the job's state hash records this very entry (a job
+-- submitted as another entry, or never submitted, must not be ended or given state).
 --
 -- Replies:
 --   1  dead letter written (+ terminal writes), entry acked and deleted
@@ -34,7 +34,7 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[10], '*',
            'payload', ARGV[9])
 if #KEYS == 5 then
   local entry = redis.call('HGET', KEYS[4], 'entry')
-  if not entry or entry == ARGV[3] then
+  if entry == ARGV[3] then
     terminal(3, 12)
   end
 end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -11,13 +12,17 @@ from typing import Any
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from tokenfleet.errors import JobNotFound, JobTimeout, QueueFull
+from tokenfleet.errors import JobNotFound, QueueFull
 from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
-from tokenfleet.producer.client import REPLAY_POLL_S, JobStatus, raise_for_finish
+from tokenfleet.producer.client import JobStatus
 from tokenfleet.producer.common import (
     CAPACITY_TTL_S,
+    REPLAY_POLL_S,
+    STREAM_IDLE_TIMEOUT_S,
     SUBMIT_LUA,
-    EventAssembler,
+    TRANSIENT_ERRORS,
+    JobFollower,
+    ResultWait,
     SubmitReply,
     build_request,
     check_fleet_fits,
@@ -26,7 +31,7 @@ from tokenfleet.producer.common import (
     parse_submit_reply,
     submit_call,
 )
-from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent, decode_result
+from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent
 
 
 class AsyncProducer:
@@ -127,64 +132,87 @@ class AsyncJobHandle:
         self.entry_id = entry_id
         self.duplicate = duplicate
         self.finish: FinishEvent | None = None
+        self._known = bool(entry_id)  # seen to exist: see JobHandle
 
-    async def stream(self, timeout: float | None = None) -> AsyncIterator[TokenEvent]:
+    async def stream(
+        self, timeout: float | None = STREAM_IDLE_TIMEOUT_S
+    ) -> AsyncIterator[TokenEvent]:
+        """`JobHandle.stream`: each token once, in order, across Redis restarts; the same
+        `timeout` (300 s of silence unless given, None forever), JobLost, JobTimeout."""
         keys = self.producer.keys
-        asm = EventAssembler()
-        pubsub = self.producer.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(keys.channel(self.id))
+        follow = JobFollower(self.id, timeout, known=self._known)
+        pubsub: Any = None
         try:
-            await self._replay(asm)
-            last_progress = time.monotonic()
             while True:
-                for event in asm.ready():
-                    last_progress = time.monotonic()
+                try:
+                    if pubsub is None:  # (re)connect: subscribe, then replay
+                        pubsub = self.producer.redis.pubsub(ignore_subscribe_messages=True)
+                        await pubsub.subscribe(keys.channel(self.id))
+                        await self._sync(follow, replay=True, check=True)
+                        follow.connected(time.monotonic())
+                    events = follow.ready(time.monotonic())
+                    if not events:
+                        follow.raise_if_over(time.monotonic())
+                        message = await pubsub.get_message(timeout=REPLAY_POLL_S)
+                        live = message is not None and message["type"] == "message"
+                        if live:
+                            follow.feed_live(message["data"])
+                        replay = not live or follow.gap
+                        check = follow.check_due(time.monotonic())
+                        if replay or check:
+                            await self._sync(follow, replay=replay, check=check)
+                        continue
+                except TRANSIENT_ERRORS as exc:
+                    await _close_quietly(pubsub)
+                    pubsub = None
+                    await asyncio.sleep(follow.disconnected(exc, time.monotonic()))
+                    continue
+                for event in events:
                     if isinstance(event, FinishEvent):
                         self.finish = event
                         return
                     yield event
-                message = await pubsub.get_message(timeout=REPLAY_POLL_S)
-                if message is not None and message["type"] == "message":
-                    asm.feed_raw(message["data"])
-                    if asm.gap:
-                        await self._replay(asm)
-                else:
-                    await self._replay(asm)
-                if timeout is not None and time.monotonic() - last_progress > timeout:
-                    raise JobTimeout(self.id, timeout)
         finally:
-            await pubsub.aclose()
+            self._known = follow.known
+            await _close_quietly(pubsub)
 
-    async def _replay(self, asm: EventAssembler) -> None:
-        start = "-" if asm.last_stream_id == "-" else f"({asm.last_stream_id}"
-        entries = await self.producer.redis.xrange(self.producer.keys.events(self.id), start, "+")
-        for entry_id, fields in entries:
-            asm.last_stream_id = entry_id.decode()
-            asm.feed_raw(fields[b"m"])
+    async def _sync(self, follow: JobFollower, *, replay: bool, check: bool) -> None:
+        keys = self.producer.keys
+        pipe = self.producer.redis.pipeline(transaction=False)
+        if replay:
+            pipe.xrange(keys.events(self.id), follow.replay_start(), "+")
+        if check:
+            pipe.exists(keys.job(self.id), keys.result(self.id))
+        follow.absorb(await pipe.execute(), replay=replay, check=check, now=time.monotonic())
 
     async def result(self, timeout: float | None = None) -> JobResult:
+        """`JobHandle.result`: the final result, waiting across Redis restarts."""
         keys = self.producer.keys
         client = self.producer.redis
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pubsub = client.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(keys.channel(self.id))
+        wait = ResultWait(self.id, timeout, known=self._known)
+        pubsub: Any = None
         try:
             while True:
-                stored = await client.get(keys.result(self.id))
-                if stored is not None:
-                    return raise_for_finish(decode_result(stored))
-                if not await client.exists(keys.job(self.id)):
-                    raise JobNotFound(self.id)
-                wait = REPLAY_POLL_S
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise JobTimeout(self.id, timeout or 0.0)
-                message = await pubsub.get_message(timeout=wait)
-                if message is None:
-                    await asyncio.sleep(0)
+                try:
+                    if pubsub is None:
+                        pubsub = client.pubsub(ignore_subscribe_messages=True)
+                        await pubsub.subscribe(keys.channel(self.id))
+                    pipe = client.pipeline(transaction=False)
+                    pipe.get(keys.result(self.id))
+                    pipe.exists(keys.job(self.id))
+                    result = wait.absorb(*await pipe.execute())
+                    if result is not None:
+                        return result
+                    message = await pubsub.get_message(timeout=wait.pause(time.monotonic()))
+                    if message is None:
+                        await asyncio.sleep(0)
+                except TRANSIENT_ERRORS as exc:
+                    await _close_quietly(pubsub)
+                    pubsub = None
+                    await asyncio.sleep(wait.disconnected(exc, time.monotonic()))
         finally:
-            await pubsub.aclose()
+            self._known = wait.known
+            await _close_quietly(pubsub)
 
     async def cancel(self) -> bool:
         keys = self.producer.keys
@@ -200,3 +228,10 @@ class AsyncJobHandle:
             raise JobNotFound(self.id)
         fields = {k.decode(): v.decode() for k, v in raw.items()}
         return JobStatus(self.id, fields.get("status", "unknown"), fields)
+
+
+async def _close_quietly(pubsub: Any) -> None:
+    """Close a subscription whose connection may already be broken."""
+    if pubsub is not None:
+        with contextlib.suppress(RedisError, OSError):
+            await pubsub.aclose()

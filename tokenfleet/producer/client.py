@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -9,12 +10,16 @@ from typing import Any
 
 import redis
 
-from tokenfleet.errors import JobFailed, JobNotFound, JobRejected, JobTimeout, QueueFull
+from tokenfleet.errors import JobNotFound, JobRejected, QueueFull
 from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.producer.common import (
     CAPACITY_TTL_S,
+    REPLAY_POLL_S,
+    STREAM_IDLE_TIMEOUT_S,
     SUBMIT_LUA,
-    EventAssembler,
+    TRANSIENT_ERRORS,
+    JobFollower,
+    ResultWait,
     SubmitReply,
     build_request,
     check_fleet_fits,
@@ -23,10 +28,7 @@ from tokenfleet.producer.common import (
     parse_submit_reply,
     submit_call,
 )
-from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent, decode_result
-from tokenfleet.reasons import FinishReason
-
-REPLAY_POLL_S = 0.5  # with no pub/sub traffic, re-read the replay stream this often
+from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -58,16 +60,6 @@ class SubmitOutcome:
     @property
     def accepted(self) -> bool:
         return self.handle is not None
-
-
-def raise_for_finish(result: JobResult) -> JobResult:
-    """Rejected and failed jobs raise their named errors; other results pass through."""
-    if result.finish_reason in (FinishReason.REJECTED, FinishReason.ERROR):
-        reason = result.error.reason if result.error else str(result.finish_reason)
-        message = result.error.message if result.error else ""
-        error_type = JobRejected if result.finish_reason == FinishReason.REJECTED else JobFailed
-        raise error_type(result.job_id, reason, message)
-    return result
 
 
 class Producer:
@@ -176,6 +168,9 @@ class JobHandle:
         self.entry_id = entry_id
         self.duplicate = duplicate
         self.finish: FinishEvent | None = None
+        # Seen to exist (it was submitted here, or a read found it): if its state then
+        # vanishes, following it raises JobLost rather than JobNotFound.
+        self._known = bool(entry_id)
 
     def __repr__(self) -> str:
         return f"JobHandle({self.id!r})"
@@ -184,68 +179,97 @@ class JobHandle:
     def _redis(self) -> redis.Redis:
         return self.producer.redis
 
-    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+    def stream(self, timeout: float | None = STREAM_IDLE_TIMEOUT_S) -> Iterator[TokenEvent]:
         """Yield the job's token events, each once, in index order; end after its finish.
 
-        Subscribes to the live channel first, then replays the job's event
-        stream, so nothing published before the call is missed. The finish
-        event is kept on `self.finish`. `timeout` bounds the silence between
-        two events (JobTimeout).
+        Subscribes to the live channel first, then replays the job's event stream, so
+        nothing published before the call is missed. The finish event is kept on
+        `self.finish`. A lost connection (a Redis restart) is retried with backoff:
+        subscribe again, replay from the last entry read, go on at the next index.
+
+        `timeout` bounds the silence between two events (JobTimeout; 300 s unless
+        given, None waits forever) and how long Redis may stay unreachable (then its
+        ConnectionError is raised). Raises JobLost when the job's state vanished from
+        Redis (JobNotFound for an id never seen): see `JobFollower`.
         """
         keys = self.producer.keys
-        asm = EventAssembler()
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.channel(self.id))
+        follow = JobFollower(self.id, timeout, known=self._known)
+        pubsub: Any = None
         try:
-            self._replay(asm)
-            last_progress = time.monotonic()
             while True:
-                for event in asm.ready():
-                    last_progress = time.monotonic()
+                try:
+                    if pubsub is None:  # (re)connect: subscribe, then replay
+                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(keys.channel(self.id))
+                        self._sync(follow, replay=True, check=True)
+                        follow.connected(time.monotonic())
+                    events = follow.ready(time.monotonic())
+                    if not events:
+                        follow.raise_if_over(time.monotonic())
+                        message = pubsub.get_message(timeout=REPLAY_POLL_S)
+                        live = message is not None and message["type"] == "message"
+                        if live:
+                            follow.feed_live(message["data"])
+                        replay = not live or follow.gap
+                        check = follow.check_due(time.monotonic())
+                        if replay or check:
+                            self._sync(follow, replay=replay, check=check)
+                        continue
+                except TRANSIENT_ERRORS as exc:
+                    _close_quietly(pubsub)
+                    pubsub = None
+                    time.sleep(follow.disconnected(exc, time.monotonic()))
+                    continue
+                for event in events:
                     if isinstance(event, FinishEvent):
                         self.finish = event
                         return
                     yield event
-                message = pubsub.get_message(timeout=REPLAY_POLL_S)
-                if message is not None and message["type"] == "message":
-                    asm.feed_raw(message["data"])
-                    if asm.gap:
-                        self._replay(asm)
-                else:
-                    self._replay(asm)
-                if timeout is not None and time.monotonic() - last_progress > timeout:
-                    raise JobTimeout(self.id, timeout)
         finally:
-            pubsub.close()
+            self._known = follow.known
+            _close_quietly(pubsub)
 
-    def _replay(self, asm: EventAssembler) -> None:
-        start = "-" if asm.last_stream_id == "-" else f"({asm.last_stream_id}"
-        for entry_id, fields in self._redis.xrange(self.producer.keys.events(self.id), start, "+"):
-            asm.last_stream_id = entry_id.decode()
-            asm.feed_raw(fields[b"m"])
+    def _sync(self, follow: JobFollower, *, replay: bool, check: bool) -> None:
+        """One round trip: the replay stream from the last entry read, and/or whether the
+        job's hash or result still exists."""
+        keys = self.producer.keys
+        pipe = self._redis.pipeline(transaction=False)
+        if replay:
+            pipe.xrange(keys.events(self.id), follow.replay_start(), "+")
+        if check:
+            pipe.exists(keys.job(self.id), keys.result(self.id))
+        follow.absorb(pipe.execute(), replay=replay, check=check, now=time.monotonic())
 
     def result(self, timeout: float | None = None) -> JobResult:
-        """The job's final result; raises JobRejected / JobFailed / JobTimeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """The job's final result; raises JobRejected / JobFailed / JobTimeout, JobLost when
+        its state vanished from Redis, JobNotFound for an unknown id.
+
+        `timeout` bounds the whole wait (None: forever). Lost connections are retried
+        with backoff until it passes (then the last ConnectionError is raised)."""
         keys = self.producer.keys
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(keys.channel(self.id))
+        wait = ResultWait(self.id, timeout, known=self._known)
+        pubsub: Any = None
         try:
             while True:
-                stored = self._redis.get(keys.result(self.id))
-                if stored is not None:
-                    return raise_for_finish(decode_result(stored))
-                if not self._redis.exists(keys.job(self.id)):
-                    raise JobNotFound(self.id)
-                wait = REPLAY_POLL_S
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise JobTimeout(self.id, timeout or 0.0)
-                # Any event on the channel is a cue to look again; silence re-checks anyway.
-                pubsub.get_message(timeout=wait)
+                try:
+                    if pubsub is None:
+                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(keys.channel(self.id))
+                    pipe = self._redis.pipeline(transaction=False)
+                    pipe.get(keys.result(self.id))
+                    pipe.exists(keys.job(self.id))
+                    result = wait.absorb(*pipe.execute())
+                    if result is not None:
+                        return result
+                    # Any event on the channel is a cue to look again; silence re-checks anyway.
+                    pubsub.get_message(timeout=wait.pause(time.monotonic()))
+                except TRANSIENT_ERRORS as exc:
+                    _close_quietly(pubsub)
+                    pubsub = None
+                    time.sleep(wait.disconnected(exc, time.monotonic()))
         finally:
-            pubsub.close()
+            self._known = wait.known
+            _close_quietly(pubsub)
 
     def cancel(self) -> bool:
         """Ask the fleet to stop this job (within one tick wherever it runs).
@@ -264,3 +288,10 @@ class JobHandle:
             raise JobNotFound(self.id)
         fields = {k.decode(): v.decode() for k, v in raw.items()}
         return JobStatus(self.id, fields.get("status", "unknown"), fields)
+
+
+def _close_quietly(pubsub: Any) -> None:
+    """Close a subscription whose connection may already be broken."""
+    if pubsub is not None:
+        with contextlib.suppress(redis.RedisError, OSError):
+            pubsub.close()

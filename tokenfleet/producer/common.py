@@ -1,25 +1,41 @@
 """What the sync and async producers share: request building, the submit script's
-arguments and replies, and the in-order event assembler. No I/O here."""
+arguments and replies, the in-order event assembler, and the rules for following a
+job across Redis restarts (`JobFollower`, `ResultWait`). No I/O here."""
 
 from __future__ import annotations
 
+import math
+import random
 import time
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+import redis
 from pydantic import ValidationError
+from redis.exceptions import AuthenticationError, AuthorizationError
 
-from tokenfleet.errors import InvalidRequest, JobRejected, QueueFull
+from tokenfleet.errors import (
+    InvalidRequest,
+    JobFailed,
+    JobLost,
+    JobNotFound,
+    JobRejected,
+    JobTimeout,
+    QueueFull,
+)
 from tokenfleet.keys import DEFAULT_MODEL, JOB_STATE_TTL_S, Keys
 from tokenfleet.protocol import (
     MAX_PAYLOAD_BYTES,
     FinishEvent,
     GenerationRequest,
+    JobResult,
     TokenEvent,
     decode_event,
+    decode_result,
     encode,
 )
+from tokenfleet.reasons import FinishReason
 
 SUBMIT_LUA = resources.files("tokenfleet").joinpath("lua/submit.lua").read_text()
 
@@ -184,3 +200,222 @@ class EventAssembler:
     @property
     def complete(self) -> bool:
         return self.finish_delivered
+
+
+def raise_for_finish(result: JobResult) -> JobResult:
+    """Rejected and failed jobs raise their named errors; other results pass through."""
+    if result.finish_reason in (FinishReason.REJECTED, FinishReason.ERROR):
+        reason = result.error.reason if result.error else str(result.finish_reason)
+        message = result.error.message if result.error else ""
+        error_type = JobRejected if result.finish_reason == FinishReason.REJECTED else JobFailed
+        raise error_type(result.job_id, reason, message)
+    return result
+
+
+# ---- following a job across Redis restarts ------------------------------------------------
+#
+# The sync and async handles run the same loop; what the loop decides lives here, so
+# both only do the I/O. See docs/protocol.md, "Following a job".
+
+STREAM_IDLE_TIMEOUT_S = 300.0  # stream()'s default: the silence allowed between two events
+REPLAY_POLL_S = 0.5  # with no pub/sub traffic, re-read the replay stream this often
+STATE_CHECK_S = 1.0  # while streaming, check the job's state still exists at least this often
+RECONNECT_FIRST_S = 0.05  # the first pause after a lost connection; it doubles per failure
+RECONNECT_MAX_S = 1.0  # ... up to this
+
+# What a lost connection raises. redis-py makes a refused password or ACL a
+# ConnectionError too; those stay wrong however often we retry, so they raise at once.
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """A Redis error worth reconnecting for (a restart, a dropped socket, a timeout)."""
+    return isinstance(exc, TRANSIENT_ERRORS) and not isinstance(exc, PERMANENT_ERRORS)
+
+
+def missing_job_error(job_id: str, known: bool) -> JobLost | JobNotFound:
+    """What a follower raises when neither the job hash nor the result exists.
+
+    JobLost for a job known to have existed (the handle submitted it, or an earlier
+    read saw its hash, result or events): its state was lost (Redis restarted without
+    persistence) and it can never finish, whatever a worker still holds, because its
+    jobs-stream entry is gone too. JobNotFound for an id never seen."""
+    if known:
+        return JobLost(job_id, "neither its state hash nor its result exists any more")
+    return JobNotFound(job_id)
+
+
+@dataclass
+class Reconnect:
+    """Capped exponential backoff over one outage, and when to give it up.
+
+    Pauses start at RECONNECT_FIRST_S and double up to RECONNECT_MAX_S, each cut by a
+    random part of up to half (clients cut off together don't all return in the same
+    millisecond). An outage ends at the first round trip that succeeds (`succeeded`).
+    It is given up, re-raising the last error, once it has lasted `limit_s` seconds or
+    the monotonic `deadline` has passed; None is no bound."""
+
+    limit_s: float | None = None
+    deadline: float | None = None
+    since: float | None = None  # when the current outage began (monotonic); None: connected
+    delay: float = RECONNECT_FIRST_S
+
+    def failed(self, exc: Exception, job_id: str, now: float) -> float:
+        """The pause before the next attempt; re-raises `exc` when it must not be retried."""
+        if not is_transient(exc):
+            raise exc
+        if self.since is None:
+            self.since = now
+        give_up = math.inf if self.deadline is None else self.deadline
+        if self.limit_s is not None:
+            give_up = min(give_up, self.since + self.limit_s)
+        if now >= give_up:
+            exc.add_note(
+                f"tokenfleet: gave up following job {job_id} after "
+                f"{now - self.since:.1f}s without Redis"
+            )
+            raise exc
+        pause = self.delay * (1 - random.random() / 2)
+        self.delay = min(self.delay * 2, RECONNECT_MAX_S)
+        return min(pause, give_up - now)
+
+    def succeeded(self) -> None:
+        self.since = None
+        self.delay = RECONNECT_FIRST_S
+
+
+NOT_FOUND_GRACE_S = 10.0  # how long stream() waits for an unknown job id to appear
+
+
+@dataclass
+class JobFollower:
+    """`stream()`'s rules, without the I/O.
+
+    On every (re)connect the loop subscribes to the live channel, then makes one
+    `sync` round trip with a replay and a state check, then calls `connected`. After
+    that: hand out `ready()`; when nothing is ready, `raise_if_over()`, wait up to
+    REPLAY_POLL_S for a live message (`feed_live`), and sync again, replaying when no
+    message came or `gap` says one was missed, checking the state when `check_due`.
+    On a transient error: drop the subscription, sleep `disconnected()` seconds, and
+    start over at subscribe; the assembler keeps the last replay entry read and the
+    next index, so the caller sees every token once.
+
+    `timeout` bounds the silence between two events (JobTimeout) and how long one
+    outage may last before its error is raised; None waits (and retries) forever.
+    Once Redis is back, the silence clock restarts: an outage is not the job's silence.
+    """
+
+    job_id: str
+    timeout: float | None
+    known: bool = False  # the job was seen to exist: a missing state then means JobLost
+    asm: EventAssembler = field(default_factory=EventAssembler)
+    reconnect: Reconnect = field(default_factory=Reconnect)
+    last_event: float = field(default_factory=time.monotonic)
+    last_check: float = -math.inf
+    state_missing: bool = False  # the last check found neither job hash nor result
+    started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.reconnect.limit_s = self.timeout
+
+    @property
+    def gap(self) -> bool:
+        return self.asm.gap
+
+    def replay_start(self) -> str:
+        """XRANGE's start: everything, or what follows the last entry read."""
+        last = self.asm.last_stream_id
+        return "-" if last == "-" else f"({last}"
+
+    def check_due(self, now: float) -> bool:
+        return now - self.last_check >= STATE_CHECK_S
+
+    def absorb(self, replies: list[Any], *, replay: bool, check: bool, now: float) -> None:
+        """One sync round trip's replies, in order: XRANGE of the replay stream from
+        `replay_start()` (when `replay`), EXISTS job hash + result (when `check`)."""
+        if replay:
+            for entry_id, fields in replies[0]:
+                self.asm.last_stream_id = _text(entry_id)
+                self.asm.feed_raw(fields[b"m"])
+                self.known = True
+        if check:
+            found = int(replies[-1])
+            self.last_check = now
+            self.state_missing = found == 0
+            self.known = self.known or found > 0
+
+    def feed_live(self, data: bytes) -> None:
+        self.asm.feed_raw(data)
+        self.known = True
+
+    def ready(self, now: float) -> list[TokenEvent | FinishEvent]:
+        events = self.asm.ready()
+        if events:
+            self.last_event = now
+        return events
+
+    def raise_if_over(self, now: float) -> None:
+        """With nothing ready to hand out: JobLost when the last check found a job seen
+        before gone, JobNotFound when a job never seen is still unknown after
+        NOT_FOUND_GRACE_S (a client may subscribe just before it submits), JobTimeout
+        when the silence lasted `timeout`."""
+        if self.state_missing and (self.known or now - self.started > NOT_FOUND_GRACE_S):
+            raise missing_job_error(self.job_id, self.known)
+        if self.timeout is not None and now - self.last_event > self.timeout:
+            raise JobTimeout(self.job_id, self.timeout)
+
+    def connected(self, now: float) -> None:
+        """A (re)connect's first sync succeeded."""
+        if self.reconnect.since is not None:
+            self.last_event = now
+        self.reconnect.succeeded()
+
+    def disconnected(self, exc: Exception, now: float) -> float:
+        """Seconds to pause before reconnecting; raises `exc` when giving up."""
+        return self.reconnect.failed(exc, self.job_id, now)
+
+
+@dataclass
+class ResultWait:
+    """`result()`'s rules, without the I/O.
+
+    Each look is one round trip: GET the result, EXISTS the job hash (`absorb`). Between
+    looks the loop waits `pause()` seconds for any message on the live channel (only a
+    cue to look again). On a transient error: drop the subscription, sleep
+    `disconnected()` seconds, subscribe again. `timeout` bounds the whole wait
+    (JobTimeout), outages included: one still going when it passes raises its error.
+    """
+
+    job_id: str
+    timeout: float | None
+    known: bool = False
+    reconnect: Reconnect = field(default_factory=Reconnect)
+
+    def __post_init__(self) -> None:
+        if self.timeout is not None:
+            self.reconnect.deadline = time.monotonic() + self.timeout
+
+    def absorb(self, stored: bytes | None, job_exists: int) -> JobResult | None:
+        """The stored result (rejected and failed ones raise), or None while there is none;
+        JobLost / JobNotFound when neither the result nor the job hash exists."""
+        self.reconnect.succeeded()
+        if stored is not None:
+            return raise_for_finish(decode_result(stored))
+        if not job_exists:
+            raise missing_job_error(self.job_id, self.known)
+        self.known = True
+        return None
+
+    def pause(self, now: float) -> float:
+        """How long to wait for a cue before looking again; JobTimeout once past the deadline."""
+        deadline = self.reconnect.deadline
+        if deadline is None:
+            return REPLAY_POLL_S
+        if now >= deadline:
+            raise JobTimeout(self.job_id, self.timeout or 0.0)
+        return min(REPLAY_POLL_S, deadline - now)
+
+    def disconnected(self, exc: Exception, now: float) -> float:
+        """Seconds to pause before reconnecting; raises `exc` when giving up."""
+        return self.reconnect.failed(exc, self.job_id, now)

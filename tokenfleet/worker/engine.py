@@ -33,6 +33,7 @@ from tokenfleet.worker.scheduler import (
     PrefillChunk,
     Scheduler,
     SchedulerConfig,
+    SeqStatus,
     Sequence,
     TickPlan,
 )
@@ -147,17 +148,17 @@ class Engine:
         *,
         resume_ids: list[int] | None = None,
         submitted_at: float | None = None,
-        hold_if_full: bool = False,
+        overflow: bool = False,
     ) -> AdmissionDecision:
         """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
         already emitted (indices 0..n-1): the job continues at index n.
 
         A rejection is also returned by the next `step()` as a `Finished` with
         reason `rejected`, so a caller only has to publish what `step()` returns;
-        except `rejected_duplicate`: the copy already here finishes the job, and
-        with `hold_if_full`, `rejected_queue_full`: the caller keeps the job and
-        offers it again later (a worker whose node is full is not a reason to
-        fail a job the rest of the fleet could serve).
+        except `rejected_duplicate`: the copy already here finishes the job. With
+        `overflow`, a job that fits the node but finds the local waiting list full
+        waits anyway (the caller read it because `room()` said so: a worker whose
+        node is busy is no reason to fail a job it has taken).
         """
         now = self.clock()
         try:
@@ -169,6 +170,9 @@ class Engine:
             if ended is not None:  # everything was emitted; only the finish event is missing
                 self._end(session, ended, now)
                 return AdmissionDecision(AdmissionReason.ADMITTED, "resumed job was complete")
+        if _queue_expired(session, now):
+            self._end(session, FinishReason.DEADLINE, now, _QUEUE_DEADLINE)
+            return AdmissionDecision(AdmissionReason.ADMITTED, "its queue deadline had passed")
         decision = self.admission.decide(
             self._admission_request(session),
             active_ids=self.sessions.keys(),
@@ -180,8 +184,9 @@ class Engine:
             self._start(session, now)
         elif decision.reason is AdmissionReason.QUEUED:
             self.waiting.append(session)
-        elif decision.reason is AdmissionReason.REJECTED_QUEUE_FULL and hold_if_full:
-            pass
+        elif decision.reason is AdmissionReason.REJECTED_QUEUE_FULL and overflow:
+            self.waiting.append(session)
+            decision = AdmissionDecision(AdmissionReason.QUEUED, decision.message)
         elif decision.reason is AdmissionReason.REJECTED_DUPLICATE:
             # The job is already here: its one terminal event belongs to that copy.
             self.stats.record_rejection(decision.reason)
@@ -200,21 +205,40 @@ class Engine:
         self._end(session, reason, now)
         return True
 
-    def replay_events(self, job_id: str) -> list[TokenEvent]:
-        """Every token event a running job has produced so far, to send again."""
-        session = self.sessions.get(job_id)
+    def drop(self, job_id: str) -> bool:
+        """Forget a job this node lost (another worker owns it now): free its KV and
+        stop computing it, with no terminal outcome (that belongs to the new owner)."""
+        session = self.session(job_id)
         if session is None:
-            return []
-        return [
-            TokenEvent(job_id=job_id, index=i, token_id=token, text=text)
-            for i, (token, text) in enumerate(zip(session.emitted, session.text_parts, strict=True))
-        ]
+            self._ended = [f for f in self._ended if f.job_id != job_id]
+            return False
+        if self.sessions.pop(job_id, None) is not None:
+            if job_id in self.scheduler:
+                self.scheduler.abort(job_id, FinishReason.CANCELLED)
+        else:
+            self.waiting.remove(session)
+        self._ended = [f for f in self._ended if f.job_id != job_id]
+        self.stats.record_lost()
+        return True
+
+    def session(self, job_id: str) -> Session | None:
+        """The job's session while it is admitted or waiting here (it owns the job's
+        emitted tokens and their texts)."""
+        found = self.sessions.get(job_id)
+        if found is None:
+            found = next((s for s in self.waiting if s.job_id == job_id), None)
+        return found
 
     def room(self) -> int:
-        """How many more jobs to pull now without overfilling the local waiting list."""
-        return self.admission.room(
+        """How many more jobs to pull now: free slots, but never more jobs that have not
+        started prefilling than the local waiting list holds (at least one): a job nobody
+        here has started yet is better left in the fleet's queue, where an idle worker
+        takes it, so a burst spreads over the fleet instead of piling onto one reader."""
+        not_started = len(self.waiting) + self.scheduler.num_unstarted
+        free = self.admission.room(
             active_count=len(self.sessions), waiting_count=len(self.waiting), kv=self.blocks
         )
+        return max(0, min(free, max(1, self.budget.max_waiting) - not_started))
 
     # ---- one tick ----------------------------------------------------------------
 
@@ -381,6 +405,14 @@ class Engine:
         ]
         for session in expired:
             self._end(session, FinishReason.DEADLINE, now)
+        unstarted = [*self.waiting, *(s for s in self.sessions.values() if self._unstarted(s))]
+        for session in unstarted:
+            if _queue_expired(session, now):
+                self._end(session, FinishReason.DEADLINE, now, _QUEUE_DEADLINE)
+
+    def _unstarted(self, session: Session) -> bool:
+        seq = session.seq
+        return seq is not None and seq.status is SeqStatus.WAITING
 
     def _end(
         self, session: Session, reason: FinishReason, now: float, error: ErrorInfo | None = None
@@ -446,6 +478,16 @@ class Engine:
         snap["weight_bytes"] = self.budget.weight_bytes
         snap["max_job_tokens"] = self.max_job_tokens
         return snap
+
+
+_QUEUE_DEADLINE = ErrorInfo(
+    reason="queue_deadline", message="no worker started the job before its queue deadline"
+)
+
+
+def _queue_expired(session: Session, now: float) -> bool:
+    deadline = session.request.queue_deadline
+    return deadline is not None and deadline <= now
 
 
 def _error(where: str, exc: BaseException) -> ErrorInfo:

@@ -1,24 +1,35 @@
-"""The worker's Redis loop: pull → admit → tick → publish → finish.
+"""The worker's Redis loop: pull → admit → tick → publish+finish.
 
 One process, one engine, one jobs stream. Each iteration:
 
-1. pull     read only as many entries as the engine has room for (claiming the
-            entries of dead workers first), decode them, admit them; block
-            briefly only when nothing is running.
-2. tick     apply cancellations, run one engine step (one forward pass).
-3. publish  every token event of the tick, plus the heartbeat when due, in ONE
-            pipelined round trip.
-4. finish   each ended job: result + finish event + ack/delete in one script
-            that first checks this worker still owns the entry.
+1. pull     take the entries the last round trip read (and, about once a second,
+            the entries of dead workers); block briefly for new ones only when
+            nothing is running.
+2. admit    check each entry against its job's state (only the entry the submit
+            script recorded is the job: accept.lua), decode it, hand it to the engine.
+3. tick     one engine step (one forward pass).
+4. publish  ONE pipelined round trip: tick.lua with every held job's new token
+            events and terminal writes — each accepted only while this worker owns
+            the job's current delivery — plus the heartbeat when due, plus a read
+            of what the engine has room for next.
 
-Nothing is dropped when Redis goes away: what a tick produced stays in the
-outbox, the engine is not stepped again until the outbox is flushed, a job stays
-held until its terminal write succeeded, and the loop reconnects with backoff.
-redis-py's own command retries are switched off on the worker's client: a
-retried XREADGROUP whose first reply was lost would leave entries pending to
-this worker that it never saw. Instead every lost connection makes the loop
-re-read its own pending list (and re-send the events of running jobs) once it
-is back.
+Ownership is fenced in the same script that writes, per job per tick: a worker
+that was paused (SIGSTOP) or cut off while another worker took its jobs over
+learns so at its next publish, writes nothing for them, and drops them at once
+(KV freed, no more compute). Each token index reaches a job's replay stream
+once: the job hash counts the indices the stream holds (`emitted`), so a
+resync after a reconnect resends every event and only what is missing is
+appended.
+
+Nothing is dropped when Redis goes away: tokens live in the engine's sessions
+until a publish reports them written, a job stays held until its terminal write
+succeeded, the engine is not stepped while a tick's writes are unsent, and the
+loop reconnects with backoff. redis-py's own command retries are switched off:
+a retried XREADGROUP whose first reply was lost would leave entries pending to
+this worker that it never saw; instead every lost connection makes the loop
+re-read its own pending list once it is back. An out-of-memory Redis is waited
+out the same way (every held job kept); a refused password or a missing ACL
+permission stops the worker with exit code 3 and a message naming it.
 """
 
 from __future__ import annotations
@@ -40,16 +51,33 @@ from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.keys import GROUP, Keys
-from tokenfleet.protocol import ErrorInfo, FinishEvent, JobResult, TokenEvent, decode_request
-from tokenfleet.reasons import AdmissionReason, FinishReason
+from tokenfleet.protocol import (
+    ErrorInfo,
+    FinishEvent,
+    GenerationRequest,
+    JobResult,
+    TokenEvent,
+    decode_request,
+)
+from tokenfleet.reasons import FinishReason
+from tokenfleet.worker import recovery
 from tokenfleet.worker.engine import Engine, Finished
+from tokenfleet.worker.errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.publish import queue_event
-from tokenfleet.worker.queue import WorkerQueue
+from tokenfleet.worker.queue import (
+    TickReply,
+    TickVerdict,
+    TickWrite,
+    Verdict,
+    WorkerQueue,
+    entries_of,
+)
 from tokenfleet.worker.recovery import Delivery
+from tokenfleet.worker.session import Session
 
 log = logging.getLogger("tokenfleet.worker")
 T = TypeVar("T")
+EXIT_REDIS_ACCESS = 3  # exit code: Redis refused our credentials or a command
 
 
 def default_worker_name() -> str:
@@ -72,10 +100,28 @@ class WorkerOptions:
 
 @dataclass
 class _Held:
-    """A job this worker has read and is responsible for until it acks it."""
+    """A job this worker has read and answers for until its terminal write succeeded."""
 
     delivery: Delivery
     job_id: str
+    session: Session | None  # owns the emitted tokens; None when rejected before one existed
+    sent: int = 0  # token indices its replay stream holds, as the last publish reported
+    end: Finished | None = None  # its terminal outcome, once the engine decided it
+
+    def unsent(self) -> list[TokenEvent]:
+        s = self.session
+        if s is None:
+            return []
+        return [
+            TokenEvent(job_id=self.job_id, index=i, token_id=s.emitted[i], text=s.text_parts[i])
+            for i in range(self.sent, len(s.emitted))
+        ]
+
+    @property
+    def dirty(self) -> bool:
+        """Something this worker decided for the job is not in Redis yet."""
+        pending_tokens = self.session is not None and len(self.session.emitted) > self.sent
+        return pending_tokens or self.end is not None
 
 
 class Worker:
@@ -95,17 +141,15 @@ class Worker:
         self.keys = keys
         self.options = options
         self.queue = WorkerQueue(client, keys, options.name, options.model)
-        self.held: dict[str, _Held] = {}  # job id -> its entry, for every job in the engine
-        self.deferred: list[tuple[_Held, Any]] = []  # read but not yet admitted (node full)
-        self.outbox_tokens: list[TokenEvent] = []
-        self.outbox_finished: list[Finished] = []
+        self.held: dict[str, _Held] = {}  # job id -> what this worker answers for
+        self.prefetched: list[Delivery] = []  # read with the last publish, not yet admitted
         self.draining = False
         self.stop_now = False
+        self.redis_oom = False  # Redis refused a write for lack of memory; backing off
         self._drain_deadline = 0.0
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
-        self._resync = False  # after a reconnect: re-read own pending list, re-send events
-        self._cancel_seen: set[str] | None = None  # cancel flags read with the last publish
+        self._resync = False  # after a reconnect: re-read own pending list, resend events
         self.started_at = time.time()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -129,118 +173,178 @@ class Worker:
 
     def run(self) -> int:
         """Serve until drained, stopped, or (burst) the stream is empty. Returns the exit code."""
-        self._with_reconnect(self._start)
-        while not self.stop_now:
-            self._with_reconnect(self.iteration)
-            if self._with_reconnect(self._should_exit):  # burst mode asks Redis too
-                break
-        self._with_reconnect(self._leave)
+        try:
+            self._with_reconnect(self._start)
+            while not self.stop_now:
+                self._with_reconnect(self.iteration)
+                if self._with_reconnect(self._should_exit):  # burst mode asks Redis too
+                    break
+            self._with_reconnect(self._leave, once=self.stop_now)
+        except RedisAccessError as exc:
+            log.error("%s", exc)
+            return EXIT_REDIS_ACCESS
         return 0
 
     def _start(self) -> None:
         self.queue.ensure_group()
+        self.queue.preflight()  # every command the loop will send, or a named error now
         self.heartbeat(force=True)
 
     def _leave(self) -> None:
         """Hand back what was not finished: drop the heartbeat so others claim it now."""
-        if self.held or self.deferred:
-            log.info("handing back %d unfinished job(s)", len(self.held) + len(self.deferred))
+        left = len(self.held) + len(self.prefetched)
+        if left:
+            log.info("handing back %d unfinished job(s)", left)
         self.queue.leave()
 
     def _should_exit(self) -> bool:
-        busy = self.engine.has_work or self.outbox_tokens or self.outbox_finished
+        busy = bool(self.engine.has_work or self.held or self.prefetched)
         if self.draining:
-            # Deferred entries were read but never started: they go back to the fleet
-            # with the rest (`_leave`) rather than hold the drain until its deadline.
             return not busy or time.monotonic() >= self._drain_deadline
-        if self.options.burst and not (busy or self.deferred):
+        if self.options.burst and not busy:
             return int(self.redis.xlen(self.queue.stream)) == 0
         return False
 
-    def _with_reconnect(self, action: Callable[[], T]) -> T | None:
-        """Run `action` and return its value; on a lost connection, back off and retry
-        until Redis answers (None if told to stop meanwhile).
+    def _with_reconnect(self, action: Callable[[], T], *, once: bool = False) -> T | None:
+        """Run `action` and return its value; while Redis is unreachable or out of memory,
+        back off and retry until it answers (None if told to stop, or the drain deadline
+        passed, meanwhile; `once`: a single try).
 
         Any lost connection may have lost a reply (a read, a claim) or, on a Redis
-        without persistence, writes: the next iteration resyncs first."""
+        without persistence, writes: the next iteration resyncs first. Credentials or
+        ACL permissions refused raise `RedisAccessError`: retrying cannot fix them."""
         delay = 0.05
-        lost_at: float | None = None
-        while not self.stop_now:
+        trouble_at: float | None = None
+        while True:
             try:
                 value = action()
-                if lost_at is not None:
-                    log.warning("reconnected to redis after %.1fs", time.monotonic() - lost_at)
+                if trouble_at is not None:
+                    back = "reconnected to redis"
+                    if self.redis_oom:
+                        back = "redis accepts writes again"
+                    log.warning("%s after %.1fs", back, time.monotonic() - trouble_at)
+                self.redis_oom = False
                 return value
-            except (redis.ConnectionError, redis.TimeoutError) as exc:
+            except redis.RedisError as exc:
+                kind = classify_redis_error(exc)  # raises RedisAccessError for auth / ACL
+                if kind is None:
+                    raise
                 self._resync = True
-                if lost_at is None:
-                    lost_at = time.monotonic()
-                log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, self.options.reconnect_max_s)
-                try:
-                    self.redis.ping()
-                    self.queue.ensure_group()
-                except (redis.ConnectionError, redis.TimeoutError):
-                    continue
-        return None
+                if trouble_at is None:
+                    trouble_at = time.monotonic()
+                if kind == "oom":
+                    self.redis_oom = True
+                    log.warning(
+                        "redis is out of memory (%s); holding %d job(s), retrying in %.2fs",
+                        exc,
+                        len(self.held),
+                        delay,
+                    )
+                else:
+                    log.warning("redis unavailable (%s); retrying in %.2fs", exc, delay)
+            if once or self.stop_now or self._drain_expired():
+                return None
+            time.sleep(delay)
+            delay = min(delay * 2, self.options.reconnect_max_s)
+            self._keep_alive()
+
+    def _drain_expired(self) -> bool:
+        if self.draining and time.monotonic() >= self._drain_deadline:
+            log.warning("drain deadline passed while redis was unavailable: exiting")
+            self.stop_now = True
+            return True
+        return False
+
+    def _keep_alive(self) -> None:
+        """Between retries: rejoin the group and keep the heartbeat alive. Under maxmemory
+        the heartbeat's HSET is refused but its EXPIRE is not, so held jobs stay ours."""
+        try:
+            self.redis.ping()
+            if self.redis_oom:
+                self.heartbeat(force=True)
+            else:
+                self.queue.ensure_group()
+        except redis.RedisError as exc:
+            classify_redis_error(exc)
 
     # ---- one iteration -----------------------------------------------------------
 
     def iteration(self) -> None:
         if self._resync:
             self._resync_after_reconnect()
-        if self._flush():  # what an earlier tick produced goes out before anything new
+        if not any(h.dirty for h in self.held.values()):  # an unsent tick goes out first
             self.pull()
-            out_tokens, out_finished = self.tick()
-            self.outbox_tokens.extend(out_tokens)
-            self.outbox_finished.extend(out_finished)
-            self._flush()
+            self.tick()
+        self.publish()
 
     def _resync_after_reconnect(self) -> None:
         """Recover what a lost connection may have hidden: entries read but never seen,
-        and token events written but not persisted (clients drop repeated indices)."""
-        held_entries = {h.delivery.entry_id for h in self.held.values()}
-        held_entries |= {h.delivery.entry_id for h, _ in self.deferred}
-        for delivery in self.queue.own_pending(1000):
-            if delivery.entry_id not in held_entries:
-                self._accept(delivery)
-        for job_id in self.held:
-            self.outbox_tokens.extend(self.engine.replay_events(job_id))
+        and token events written but not persisted (tick.lua appends only missing ones)."""
+        known = {h.delivery.entry_id for h in self.held.values()}
+        known |= {d.entry_id for d in self.prefetched}
+        self._admit([d for d in self.queue.own_pending(1000) if d.entry_id not in known])
+        for held in self.held.values():
+            held.sent = 0
         self._resync = False
 
     def pull(self) -> None:
-        if self.draining:
-            return
-        self._admit_deferred()
-        room = self.engine.room() - len(self.deferred)
-        if room <= 0:
-            return
-        now = time.monotonic()
-        deliveries: list[Delivery] = []
-        if now - self._last_claim >= self.options.claim_every_s:
-            self._last_claim = now
-            deliveries += self.queue.claim_orphans(room)
-            if deliveries:
-                log.info("claimed %d orphaned job(s) of dead workers", len(deliveries))
-        idle = not self.engine.has_work and not deliveries
-        block = self.options.idle_block_ms if idle else None
-        fresh = self.queue.read(room - len(deliveries), block)
-        if block is not None and 0 < len(fresh) < room - len(deliveries):
-            # A blocked read wakes on the first new entry; take the rest of a burst
-            # now rather than start a tick with one job while the others wait.
-            fresh += self.queue.read(room - len(deliveries) - len(fresh), None)
-        deliveries += fresh
-        started: list[str] = []
-        for delivery in deliveries:
-            job_id = self._accept(delivery)
-            if job_id is not None:
-                started.append(job_id)
-        if started:
-            self.queue.mark_running(started)
+        deliveries, self.prefetched = self.prefetched, []
+        room = self.engine.room() - len(deliveries)
+        if not self.draining and room > 0:
+            now = time.monotonic()
+            if now - self._last_claim >= self.options.claim_every_s:
+                self._last_claim = now
+                claimed = self.queue.claim_orphans(room)
+                if claimed:
+                    log.info("claimed %d orphaned job(s) of dead workers", len(claimed))
+                deliveries += claimed
+                room -= len(claimed)
+            if not (self.engine.has_work or self.held or deliveries):
+                fresh = self.queue.read(room, self.options.idle_block_ms)
+                if 0 < len(fresh) < room:
+                    # A blocked read wakes on the first new entry; take what else is there
+                    # now rather than start a tick with one job while the others wait.
+                    fresh += self.queue.read(room - len(fresh), None)
+                deliveries += fresh
+        self._admit(deliveries)
 
-    def _accept(self, delivery: Delivery) -> str | None:
-        """Decode and admit one entry; anything unservable goes to the dead letters."""
+    def _admit(self, deliveries: list[Delivery]) -> None:
+        """Decode, check and hand entries to the engine; anything unservable goes to the
+        dead letters without touching the job it names."""
+        decoded: list[tuple[Delivery, GenerationRequest]] = []
+        for delivery in deliveries:
+            request = self._decode(delivery)
+            if request is not None:
+                decoded.append((delivery, request))
+        if not decoded:
+            return
+        verdicts = self.queue.accept([d for d, _ in decoded])
+        for (delivery, request), (verdict, cancelled) in zip(decoded, verdicts, strict=True):
+            if verdict is Verdict.OK and request.job_id not in self.held:
+                if delivery.deliveries > self.options.max_deliveries:
+                    message = (
+                        f"delivered {delivery.deliveries} times"
+                        f" (limit {self.options.max_deliveries})"
+                    )
+                    self._dead_letter(
+                        delivery, "too_many_deliveries", message, job_id=request.job_id, error=True
+                    )
+                else:
+                    self._submit(delivery, request, cancelled)
+            elif verdict is Verdict.OK:
+                pass  # the entry of a job held here already (read again after a reconnect)
+            elif verdict is Verdict.LOST:
+                log.warning("entry %s belongs to another worker now: skipped", delivery.entry_id)
+            elif verdict is Verdict.UNSUBMITTED:
+                message = f"job {request.job_id} was never submitted (or its state expired)"
+                self._dead_letter(delivery, "rejected_unsubmitted", message)
+            else:
+                message = f"job {request.job_id} was submitted as another entry"
+                if verdict is Verdict.FINISHED:
+                    message = f"job {request.job_id} has finished already"
+                self._dead_letter(delivery, "rejected_duplicate", message)
+
+    def _decode(self, delivery: Delivery) -> GenerationRequest | None:
         if delivery.payload is None:
             message = "the entry has no payload (deleted?)"
             self._dead_letter(delivery, "missing_payload", message, job_id=delivery.job_id)
@@ -258,115 +362,113 @@ class Worker:
             )
             self._dead_letter(delivery, "job_id_mismatch", message, job_id=delivery.job_id)
             return None
-        if delivery.deliveries > self.options.max_deliveries:
-            message = f"delivered {delivery.deliveries} times (limit {self.options.max_deliveries})"
-            self._dead_letter(
-                delivery, "too_many_deliveries", message, job_id=request.job_id, error=True
-            )
-            return None
-        held = _Held(delivery, request.job_id)
-        current = self.held.get(request.job_id)
-        if current is not None and current.delivery.entry_id == delivery.entry_id:
-            return None  # the same entry again (a read replayed after a Redis restart)
-        if current is not None:  # a second entry for a job running here
-            message = f"job {request.job_id} is already running on this worker"
-            self._dead_letter(delivery, "rejected_duplicate", message)  # no terminal event
-            return None
-        self._submit(held, request)
-        return request.job_id
+        return request
 
-    def _submit(self, held: _Held, request: Any) -> None:
-        resume = self.queue.emitted_tokens(held.job_id) if held.delivery.deliveries > 1 else None
-        submitted_at = int(held.delivery.entry_id.split("-")[0]) / 1000.0
-        decision = self.engine.submit(
-            request, resume_ids=resume, submitted_at=submitted_at, hold_if_full=True
-        )
-        if decision.reason is AdmissionReason.REJECTED_QUEUE_FULL:
-            self.deferred.append((held, request))
-            return
-        self.held[held.job_id] = held
-        if self.queue.cancelled([held.job_id]):
-            self.engine.cancel(held.job_id)
-
-    def _admit_deferred(self) -> None:
-        deferred, self.deferred = self.deferred, []
-        for held, request in deferred:
-            if held.job_id in self.held or any(h.job_id == held.job_id for h, _ in self.deferred):
-                continue
-            self._submit(held, request)
-
-    def tick(self) -> tuple[list[TokenEvent], list[Finished]]:
-        if self._cancel_seen is not None:  # read with the last publish
-            cancelled, self._cancel_seen = self._cancel_seen, None
-        else:
-            cancelled = self.queue.cancelled(list(self.held)) if self.held else set()
-        for job_id in cancelled:
+    def _submit(self, delivery: Delivery, request: GenerationRequest, cancelled: bool) -> None:
+        job_id = request.job_id
+        resume = self.queue.emitted_tokens(job_id) if delivery.deliveries > 1 else []
+        submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0
+        self.engine.submit(request, resume_ids=resume, submitted_at=submitted_at, overflow=True)
+        session = self.engine.session(job_id)
+        self.held[job_id] = _Held(delivery, job_id, session, sent=len(resume))
+        if cancelled:
             self.engine.cancel(job_id)
+
+    def tick(self) -> None:
         if not self.engine.has_work:
-            return [], []
+            return
         out = self.engine.step()
         if self.metrics is not None:
             self.metrics.observe_tick(self.engine, out)
-        return out.tokens, out.finished
+        for done in out.finished:
+            held = self.held.get(done.job_id)
+            if held is not None:
+                held.end = done
 
-    def _flush(self) -> bool:
-        """Publish the outbox: token events + heartbeat in one round trip, then finishes.
+    # ---- publish -----------------------------------------------------------------
 
-        Returns True when the outbox is empty afterwards."""
-        if self.outbox_tokens or self._heartbeat_due():
-            pipe = self.redis.pipeline(transaction=False)
-            for event in self.outbox_tokens:
-                queue_event(pipe, self.keys, event)
-            if self._heartbeat_due():
-                self.heartbeat(pipe=pipe)
-            # The next tick's cancel check rides along: one round trip fewer per tick.
-            watched = list(self.held)
-            if watched:
-                pipe.mget([self.keys.cancel(job_id) for job_id in watched])
-            replies = pipe.execute()
-            if watched:
-                flags = replies[-1]
-                self._cancel_seen = {j for j, f in zip(watched, flags, strict=True) if f}
-            self.outbox_tokens = []
-        while self.outbox_finished:
-            self._finish(self.outbox_finished[0])
-            self.outbox_finished.pop(0)
-        return True
-
-    def _finish(self, done: Finished) -> None:
-        """The job's terminal write. The job stays held until it succeeded: a lost
-        connection retries it (`_flush` keeps `done` in the outbox), and a write that
-        went through before the connection broke reads back as "not ours" (0)."""
-        held = self.held.get(done.job_id)
-        if held is None:
+    def publish(self) -> None:
+        """One round trip: every held job's fenced writes, the heartbeat when due, and a
+        read of the entries the engine has room for next."""
+        held = list(self.held.values())
+        read = 0
+        if not self.draining and (self.engine.has_work or held):
+            read = self.engine.room() - len(self.prefetched)
+        if not held and read <= 0 and not self._heartbeat_due():
             return
-        if done.event.reason is FinishReason.ERROR:
-            self._retry_or_dead_letter(held, done)
-            return
-        if self.queue.finish(held.delivery.entry_id, done.job_id, done.result, done.event):
-            if self.metrics is not None:
-                self.metrics.observe_finished(done)
-        else:
-            log.warning(
-                "job %s was taken over by another worker (or finished before a lost reply);"
-                " not finishing it here",
-                done.job_id,
-            )
-        del self.held[done.job_id]
+        pipe = self.redis.pipeline(transaction=False)
+        writes = [self._write_of(h) for h in held]
+        if writes:
+            self.queue.tick(writes, pipe)
+        if read > 0:
+            pipe.xreadgroup(GROUP, self.options.name, {self.queue.stream: ">"}, read, None)
+        if self._heartbeat_due():
+            self.heartbeat(pipe=pipe)
+        replies = pipe.execute(raise_on_error=False)
+        failures: list[Exception] = []
+        if read > 0:
+            got = replies[1 if writes else 0]
+            if isinstance(got, Exception):
+                failures.append(got)
+            else:
+                self.prefetched += [recovery.delivery(e, f, 1) for e, f in entries_of(got)]
+        if writes:
+            if isinstance(replies[0], Exception):
+                failures.append(replies[0])  # the writes stay in the sessions: retried
+            else:
+                self._apply(held, self.queue.parse_tick(replies[0]))
+        failures += [
+            r
+            for r in replies[(1 if writes else 0) + (1 if read > 0 else 0) :]
+            if isinstance(r, Exception)
+        ]
+        for failure in failures:
+            if not self._missing_group(failure):
+                raise failure
+
+    def _missing_group(self, exc: Exception) -> bool:
+        if isinstance(exc, redis.ResponseError) and str(exc).startswith("NOGROUP"):
+            self.queue.ensure_group()
+            return True
+        return False
+
+    def _write_of(self, held: _Held) -> TickWrite:
+        end = None
+        if held.end is not None and held.end.event.reason is not FinishReason.ERROR:
+            end = (held.end.result, held.end.event)
+        return TickWrite(held.delivery.entry_id, held.job_id, held.unsent(), end)
+
+    def _apply(self, held: list[_Held], replies: list[TickReply]) -> None:
+        for job, reply in zip(held, replies, strict=True):
+            job.sent = reply.next_index
+            if reply.verdict is TickVerdict.LOST:
+                self.engine.drop(job.job_id)
+                del self.held[job.job_id]
+                log.warning(
+                    "job %s belongs to another worker now (or has finished): dropped it",
+                    job.job_id,
+                )
+            elif reply.verdict is TickVerdict.DONE:
+                del self.held[job.job_id]
+                if self.metrics is not None and job.end is not None:
+                    self.metrics.observe_finished(job.end)
+            elif reply.verdict is TickVerdict.CANCEL and job.end is None:
+                self.engine.cancel(job.job_id)
+            elif job.end is not None and reply.verdict is not TickVerdict.GAP:
+                self._retry_or_dead_letter(job, job.end)  # an engine error: events are out
 
     def _retry_or_dead_letter(self, held: _Held, done: Finished) -> None:
         error = done.event.error
         message = error.message if error else "engine error"
+        del self.held[held.job_id]
         if held.delivery.deliveries >= self.options.max_deliveries:
             self.queue.dead_letter(
                 held.delivery, "engine_error", message, finish=done.event, result=done.result
             )
             if self.metrics is not None:
                 self.metrics.observe_finished(done)
-            del self.held[held.job_id]
             return
         deliveries = self.queue.redeliver(held.delivery.entry_id)
-        del self.held[held.job_id]
         if deliveries is None:  # no longer ours
             return
         retry = Delivery(held.delivery.entry_id, held.job_id, held.delivery.payload, deliveries)
@@ -377,7 +479,7 @@ class Worker:
             deliveries,
             self.options.max_deliveries,
         )
-        self._accept(retry)
+        self._admit([retry])
 
     def _dead_letter(
         self,
@@ -388,7 +490,8 @@ class Worker:
         job_id: str | None = None,
         error: bool = False,
     ) -> None:
-        """Dead-letter an entry; when its job id is known, its client gets a terminal event."""
+        """Dead-letter an entry; when its job id is known (and the entry is the job's
+        own, which dead_letter.lua checks), its client gets a terminal event."""
         finish = result = None
         if job_id is not None:
             finish_reason = FinishReason.ERROR if error else FinishReason.REJECTED
@@ -416,6 +519,7 @@ class Worker:
             "stream": self.queue.stream,
             "group": GROUP,
             "status": "draining" if self.draining else "running",
+            "redis_oom": self.redis_oom,
             "started_at": self.started_at,
             "pid": os.getpid(),
             "budget": {
@@ -425,7 +529,10 @@ class Worker:
                 "max_prefill_tokens_per_tick": self.engine.budget.max_prefill_tokens_per_tick,
                 "max_waiting": self.engine.budget.max_waiting,
             },
-            "held_jobs": len(self.held) + len(self.deferred),
+            "held_jobs": len(self.held) + len(self.prefetched),
             **self.engine.telemetry(),
         }
         self.queue.heartbeat(info, pipe=pipe)
+
+
+__all__ = ["EXIT_REDIS_ACCESS", "Worker", "WorkerOptions", "default_worker_name"]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, overload
 
 import redis
@@ -35,6 +37,7 @@ from tokenfleet.keys import (
     Keys,
 )
 from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_event, encode
+from tokenfleet.worker.errors import RedisAccessError
 from tokenfleet.worker.recovery import (
     CLAIM_ORPHANS_LUA,
     Delivery,
@@ -46,15 +49,63 @@ from tokenfleet.worker.recovery import (
     queue_stats,
 )
 
-__all__ = ["Delivery", "WorkerQueue", "live_workers", "queue_stats"]
+__all__ = [
+    "Delivery",
+    "TickReply",
+    "TickVerdict",
+    "TickWrite",
+    "Verdict",
+    "WorkerQueue",
+    "live_workers",
+    "queue_stats",
+]
 
 ScriptArg = str | bytes | int | float
 
-_OWNED_ENTRY_LUA = lua("owned_entry.lua")  # shared functions, prepended to the next three
+_OWNED_ENTRY_LUA = lua("owned_entry.lua")  # shared functions, prepended to the next five
+TICK_LUA = _OWNED_ENTRY_LUA + lua("tick.lua")
 FINISH_LUA = _OWNED_ENTRY_LUA + lua("finish.lua")
 DEAD_LETTER_LUA = _OWNED_ENTRY_LUA + lua("dead_letter.lua")
 REDELIVER_LUA = _OWNED_ENTRY_LUA + lua("redeliver.lua")
-MARK_RUNNING_LUA = lua("mark_running.lua")
+ACCEPT_LUA = _OWNED_ENTRY_LUA + lua("accept.lua")
+PROBE_LUA = lua("probe.lua")
+
+
+class Verdict(StrEnum):
+    """What accept.lua says of an entry just read or claimed."""
+
+    OK = "ok"  # the job's own entry: it is this worker's to serve
+    UNSUBMITTED = "unsubmitted"  # no state for the job: never submitted (or expired)
+    DUPLICATE = "duplicate"  # the job's state records another entry
+    FINISHED = "finished"  # the job ended already
+    LOST = "lost"  # the entry is not pending to this worker (claimed while it was away)
+
+
+class TickVerdict(StrEnum):
+    """What tick.lua says of one held job (see the script)."""
+
+    OK = "ok"
+    CANCEL = "cancel"
+    DONE = "done"
+    LOST = "lost"
+    GAP = "gap"
+
+
+@dataclass(frozen=True)
+class TickWrite:
+    """One held job's part of a tick: its new token events and, when it ended, the
+    terminal pair. Every held job is in every tick (its ownership is checked)."""
+
+    entry_id: str
+    job_id: str
+    events: list[TokenEvent]
+    end: tuple[JobResult, FinishEvent] | None = None
+
+
+@dataclass(frozen=True)
+class TickReply:
+    verdict: TickVerdict
+    next_index: int  # indices the job's replay stream holds now
 
 
 class WorkerQueue:
@@ -75,7 +126,9 @@ class WorkerQueue:
         self._finish = client.register_script(FINISH_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
         self._redeliver = client.register_script(REDELIVER_LUA)
-        self._mark_running = client.register_script(MARK_RUNNING_LUA)
+        self._accept = client.register_script(ACCEPT_LUA)
+        self._tick = client.register_script(TICK_LUA)
+        self._probe = client.register_script(PROBE_LUA)
         self._claim = client.register_script(CLAIM_ORPHANS_LUA)
 
     # --- pull -------------------------------------------------------------
@@ -88,6 +141,20 @@ class WorkerQueue:
         except ResponseError as exc:
             if not str(exc).startswith("BUSYGROUP"):
                 raise
+
+    def preflight(self) -> None:
+        """Check that this worker's Redis user may run every command the worker sends
+        (probe.lua, on throwaway keys); raises `RedisAccessError` naming those it may not."""
+        probe = self.keys.probe(self.worker)
+        script_keys = [f"{probe}:stream", f"{probe}:hash", f"{probe}:string", f"{probe}:zset"]
+        args = [GROUP, self.worker, self.keys.telemetry_channel()]
+        denied = [_str(name) for name in self._probe(keys=script_keys, args=args)]
+        if denied:
+            raise RedisAccessError(
+                "the worker's redis user may not run: "
+                + ", ".join(denied)
+                + " (see docs/operations.md, 'Least privilege')"
+            )
 
     def read(self, count: int, block_ms: int | None = None) -> list[Delivery]:
         """Up to `count` new entries; waits up to `block_ms` when none (None: no wait;
@@ -104,7 +171,7 @@ class WorkerQueue:
                 raise
             self.ensure_group()
             reply = self.redis.xreadgroup(GROUP, self.worker, streams, count, block_ms)
-        return [delivery(entry_id, fields, 1) for entry_id, fields in _entries(reply)]
+        return [delivery(entry_id, fields, 1) for entry_id, fields in entries_of(reply)]
 
     def own_pending(self, count: int) -> list[Delivery]:
         """Entries pending to this worker (its own pending list), with their data.
@@ -121,15 +188,54 @@ class WorkerQueue:
                 raise
             self.ensure_group()
             return []
-        return [delivery(entry_id, fields, 2) for entry_id, fields in _entries(reply)]
+        return [delivery(entry_id, fields, 2) for entry_id, fields in entries_of(reply)]
 
-    def mark_running(self, job_ids: Sequence[str], pipe: Any = None) -> None:
-        """Job hashes → status running on this worker (expired or finished ones untouched)."""
-        if not job_ids:
-            return
-        script_keys = [self.keys.job(job_id) for job_id in job_ids]
-        args = [self.worker, f"{time.time():.6f}"]
-        self._mark_running(keys=script_keys, args=args, client=self.redis if pipe is None else pipe)
+    def accept(self, deliveries: Sequence[Delivery]) -> list[tuple[Verdict, bool]]:
+        """Check entries against their jobs' state and mark the genuine ones running here
+        (accept.lua): per delivery, its verdict and whether its client asked to cancel.
+        Every delivery must have a job id."""
+        if not deliveries:
+            return []
+        script_keys = [self.stream]
+        for d in deliveries:
+            assert d.job_id is not None, "accept() needs the entry's job id"
+            script_keys += [self.keys.job(d.job_id), self.keys.cancel(d.job_id)]
+        args = [GROUP, self.worker, "", f"{time.time():.6f}", *(d.entry_id for d in deliveries)]
+        reply = self._accept(keys=script_keys, args=args)
+        return [(Verdict(_str(verdict)), bool(int(flag))) for verdict, flag in reply]
+
+    def tick(self, writes: Sequence[TickWrite], pipe: Any) -> None:
+        """Queue one tick's fenced writes for every held job on `pipe` (tick.lua); the
+        pipeline's reply for it goes to `parse_tick`."""
+        script_keys: list[str] = [self.stream]
+        args: list[ScriptArg] = [
+            GROUP,
+            self.worker,
+            "",
+            f"{time.time():.6f}",
+            EVENTS_MAXLEN,
+            EVENTS_TTL_S,
+            RESULT_TTL_S,
+            JOB_STATE_TTL_S,
+            len(writes),
+        ]
+        for w in writes:
+            k = self.keys
+            script_keys += [k.job(w.job_id), k.events(w.job_id), k.result(w.job_id)]
+            script_keys.append(k.cancel(w.job_id))
+            args += [w.entry_id, k.channel(w.job_id), len(w.events), "0" if w.end is None else "1"]
+            for event in w.events:
+                args += [event.index, encode(event)]
+            if w.end is not None:
+                result, finish = w.end
+                if result.job_id != w.job_id or finish.job_id != w.job_id:
+                    raise ValueError(f"result and finish event must both be for job {w.job_id}")
+                args += [str(result.finish_reason), encode(result), encode(finish)]
+        self._tick(keys=script_keys, args=args, client=pipe)
+
+    @staticmethod
+    def parse_tick(reply: Any) -> list[TickReply]:
+        return [TickReply(TickVerdict(_str(v)), int(n)) for v, n in reply]
 
     def cancelled(self, job_ids: Sequence[str]) -> set[str]:
         """The jobs among `job_ids` whose client asked to cancel (one MGET)."""
@@ -286,13 +392,15 @@ class WorkerQueue:
         channel. Call it about once a second, before the first `read`."""
         fields = {"worker": self.worker, **info}
         key = self.keys.worker(self.worker)
-        target = pipe if pipe is not None else self.redis.pipeline(transaction=True)
+        # Not a transaction: when Redis is out of memory the HSET is refused, but the
+        # EXPIRE still keeps the hash (and so this worker's jobs) alive.
+        target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
         target.hset(key, mapping={name: json.dumps(value) for name, value in fields.items()})
         target.expire(key, WORKER_TTL_S)
         target.zadd(self.keys.workers(), {self.worker: time.time()})
         target.publish(self.keys.telemetry_channel(), json.dumps(fields))
         if pipe is None:
-            target.execute()
+            target.execute(raise_on_error=False)
 
     def leave(self) -> None:
         """Clean exit: drop the heartbeat now, so entries left pending are claimable at once."""
@@ -302,7 +410,11 @@ class WorkerQueue:
         pipe.execute()
 
 
-def _entries(reply: Any) -> list[tuple[Any, Any]]:
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def entries_of(reply: Any) -> list[tuple[Any, Any]]:
     """XREADGROUP's entries: RESP2 [[name, entries]], RESP3 {name: [entries]}."""
     if isinstance(reply, dict):
         return [entry for nested in reply.values() for entries in nested for entry in entries]

@@ -167,6 +167,11 @@ class Scheduler:
         return len(self._waiting)
 
     @property
+    def num_unstarted(self) -> int:
+        """Admitted sessions no prefill chunk has touched yet."""
+        return sum(1 for seq in self._waiting if seq.status is SeqStatus.WAITING)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 

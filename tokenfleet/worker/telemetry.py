@@ -62,6 +62,7 @@ class EngineStats:
         self._recent: deque[_TickSample] = deque()  # pruned to rate_window_s
         self.rejected: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
+        self.lost = 0  # jobs dropped because another worker owns them now
 
     def record_tick(
         self,
@@ -86,6 +87,9 @@ class EngineStats:
 
     def record_finish(self, reason: FinishReason) -> None:
         self.finished[reason.value] += 1
+
+    def record_lost(self) -> None:
+        self.lost += 1
 
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second of wall time over the recent window.
@@ -146,6 +150,7 @@ class EngineStats:
             "rejected_total": sum(self.rejected.values()),
             "rejected_by_reason": dict(self.rejected),
             "finished_by_reason": dict(self.finished),
+            "lost_total": self.lost,
         }
 
     def _prune(self, now: float) -> None:

@@ -1,0 +1,85 @@
+-- One tick of one worker, in one call: for every job it holds, check that it still owns
+-- the job's current delivery, then append the tick's token events (each index once),
+-- announce them live, and end the job when it finished. A worker that lost a job (its
+-- entry was claimed by another worker or finished, or the job's state records another
+-- entry) writes nothing for it: the fence is in the same script as the writes.
+-- Run with owned_entry.lua prepended.
+--
+-- KEYS[1]  jobs stream
+-- per job j = 1..n, four keys from KEYS[2 + 4(j-1)]:
+--   job state hash, replay stream, result string, cancel flag
+-- ARGV[1]  group   ARGV[2]  this worker   ARGV[3]  '' (the entry ids are per job)
+-- ARGV[4]  now (unix s)   ARGV[5]  EVENTS_MAXLEN   ARGV[6]  EVENTS_TTL_S
+-- ARGV[7]  RESULT_TTL_S   ARGV[8]  JOB_STATE_TTL_S   ARGV[9]  n (jobs)
+-- then per job, in order:
+--   entry id, live channel, k (token events), '1' when the job ends this tick else '0',
+--   k x (index, msgpack TokenEvent),
+--   when it ends: finish reason, msgpack JobResult, msgpack FinishEvent
+--
+-- Reply: per job {verdict, next}, next = indices now in its replay stream (the job
+-- hash's `emitted` field):
+--   'ok'     owned, events appended
+--   'cancel' owned, events appended, and its client asked to cancel
+--   'done'   owned and ended: result stored, finish event sent, entry acked + deleted
+--   'lost'   not this worker's (any more): nothing written; drop the job
+--   'gap'    owned, but an event skipped an index the stream lacks: appended up to the
+--            hole, not ended; resend from `next`
+-- An event whose index the stream already holds is skipped, so resending all of a
+-- job's events after a reconnect appends only what the stream lacks.
+local n = tonumber(ARGV[9])
+local a = 10
+local reply = {}
+for j = 1, n do
+  local k0 = 2 + 4 * (j - 1)
+  local hash, events, result, cancel = KEYS[k0], KEYS[k0 + 1], KEYS[k0 + 2], KEYS[k0 + 3]
+  local entry, channel = ARGV[a], ARGV[a + 1]
+  local count, ends = tonumber(ARGV[a + 2]), ARGV[a + 3] == '1'
+  local first = a + 4
+  a = first + 2 * count + (ends and 3 or 0)
+
+  local state = redis.call('HMGET', hash, 'entry', 'emitted', 'status')
+  if owner_of(entry) ~= ARGV[2] or state[1] ~= entry or state[3] == 'finished' then
+    reply[j] = {'lost', 0}
+  else
+    local next = tonumber(state[2]) or 0
+    local start = next
+    local gap = false
+    for e = 0, count - 1 do
+      local index = tonumber(ARGV[first + 2 * e])
+      local data = ARGV[first + 2 * e + 1]
+      if index == next then
+        redis.call('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'm', data)
+        redis.call('PUBLISH', channel, data)
+        next = next + 1
+      elseif index > next then
+        gap = true
+        break
+      end
+    end
+    if next ~= start then
+      redis.call('HSET', hash, 'emitted', next)
+      if start == 0 then
+        -- Set by the first event and again by the finish: refreshing it on every
+        -- token would cost a command per event.
+        redis.call('EXPIRE', events, ARGV[6])
+      end
+    end
+    if gap then
+      reply[j] = {'gap', next}
+    elseif ends then
+      local t = first + 2 * count
+      terminal_writes({
+        result = result, hash = hash, events = events, channel = channel,
+        reason = ARGV[t], result_data = ARGV[t + 1], finish_data = ARGV[t + 2],
+        result_ttl = ARGV[7], hash_ttl = ARGV[8], maxlen = ARGV[5], events_ttl = ARGV[6],
+      })
+      ack_delete_entry(entry)
+      reply[j] = {'done', next}
+    elseif redis.call('EXISTS', cancel) == 1 then
+      reply[j] = {'cancel', next}
+    else
+      reply[j] = {'ok', next}
+    end
+  end
+end
+return reply
