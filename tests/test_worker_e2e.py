@@ -58,3 +58,39 @@ def test_submit_stream_result_through_a_worker_matches_the_engine(
     assert worker.wait(60) == 0, worker.output()
     assert r.xlen(KEYS.jobs()) == 0
     assert r.xpending(KEYS.jobs(), "workers")["pending"] == 0
+
+
+class CountingConnection(redis.Connection):
+    """Counts the requests this client sends: one per command, one per pipeline."""
+
+    sent = 0
+
+    def send_packed_command(self, command: object, check_health: bool = True) -> None:
+        type(self).sent += 1
+        super().send_packed_command(command, check_health)  # type: ignore[arg-type]
+
+
+def test_a_busy_worker_makes_one_round_trip_per_tick(r: redis.Redis, redis_url: str) -> None:
+    """While sessions decode, a tick's token events, finishes, heartbeat, cancel check and
+    the next read all go out in ONE pipelined call."""
+    from tokenfleet.worker.loop import Worker, WorkerOptions
+
+    producer = Producer(r)
+    handles = [
+        producer.submit(prompt=f"round trip {i}", max_new_tokens=96, ignore_eos=True)
+        for i in range(6)
+    ]
+    engine = Engine(load_model("tiny-random", device="cpu"), EngineConfig(), worker="rtt")
+    pool = redis.ConnectionPool.from_url(redis_url, connection_class=CountingConnection)
+    client = redis.Redis(connection_pool=pool)
+    options = WorkerOptions(name="rtt", burst=True, idle_block_ms=50, claim_every_s=3600)
+    CountingConnection.sent = 0
+    assert Worker(engine, client, KEYS, options).run() == 0
+    ticks = engine.stats.ticks
+    for handle in handles:
+        assert handle.result(timeout=10).finish_reason == FinishReason.LENGTH
+    # Besides one call per tick: start-up (group, probe, heartbeat), the blocked first
+    # reads, one accept per batch of new entries, the burst-mode XLEN checks, leaving.
+    assert ticks >= 96
+    assert CountingConnection.sent <= ticks + 25, (CountingConnection.sent, ticks)
+    client.close()

@@ -49,6 +49,7 @@ def submit(r: redis.Redis, n: int) -> list[JobHandle]:
 def worker(r: redis.Redis, name: str) -> WorkerQueue:
     queue = WorkerQueue(r, KEYS, name)
     queue.ensure_group()
+    queue.load_tick()
     return queue
 
 
@@ -404,14 +405,6 @@ def test_tick_reports_cancel_and_fences_a_claimed_job(r: redis.Redis) -> None:
         TickReply(TickVerdict.CANCEL, 2)
     ]
     assert [e.index for e in events(r, "job-0")] == [0, 1]
-
-
-def test_cancelled_reads_the_clients_flags(r: redis.Redis) -> None:
-    handles = submit(r, 3)
-    assert handles[0].cancel() and handles[2].cancel()
-    a = worker(r, "a")
-    assert a.cancelled(["job-0", "job-1", "job-2"]) == {"job-0", "job-2"}
-    assert a.cancelled([]) == set()
 
 
 def test_emitted_tokens_is_the_contiguous_run_from_zero(r: redis.Redis) -> None:

@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
@@ -413,7 +414,9 @@ class Worker:
             else:
                 self.prefetched += [recovery.delivery(e, f, 1) for e, f in entries_of(got)]
         if writes:
-            if isinstance(replies[0], Exception):
+            if isinstance(replies[0], NoScriptError):
+                self.queue.load_tick()  # Redis restarted: the writes go out next iteration
+            elif isinstance(replies[0], Exception):
                 failures.append(replies[0])  # the writes stay in the sessions: retried
             else:
                 self._apply(held, self.queue.parse_tick(replies[0]))

@@ -149,6 +149,8 @@ class WorkerQueue:
         script_keys = [f"{probe}:stream", f"{probe}:hash", f"{probe}:string", f"{probe}:zset"]
         args = [GROUP, self.worker, self.keys.telemetry_channel()]
         denied = [_str(name) for name in self._probe(keys=script_keys, args=args)]
+        if not denied:
+            self.load_tick()
         if denied:
             raise RedisAccessError(
                 "the worker's redis user may not run: "
@@ -231,18 +233,18 @@ class WorkerQueue:
                 if result.job_id != w.job_id or finish.job_id != w.job_id:
                     raise ValueError(f"result and finish event must both be for job {w.job_id}")
                 args += [str(result.finish_reason), encode(result), encode(finish)]
-        self._tick(keys=script_keys, args=args, client=pipe)
+        # EVALSHA itself: a pipeline that runs a registered Script first sends SCRIPT
+        # EXISTS, a second round trip per tick. The script is loaded at start
+        # (`load_tick`); after a Redis restart the reply is NoScriptError: load, resend.
+        pipe.evalsha(self._tick.sha, len(script_keys), *script_keys, *args)
+
+    def load_tick(self) -> None:
+        """(Re)load tick.lua into Redis's script cache (at start, after NOSCRIPT)."""
+        self.redis.script_load(TICK_LUA)
 
     @staticmethod
     def parse_tick(reply: Any) -> list[TickReply]:
         return [TickReply(TickVerdict(_str(v)), int(n)) for v, n in reply]
-
-    def cancelled(self, job_ids: Sequence[str]) -> set[str]:
-        """The jobs among `job_ids` whose client asked to cancel (one MGET)."""
-        if not job_ids:
-            return set()
-        flags = self.redis.mget([self.keys.cancel(job_id) for job_id in job_ids])
-        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag is not None}
 
     def emitted_tokens(self, job_id: str) -> list[int]:
         """Token ids already published for indices 0..k-1, for a worker resuming the job.
