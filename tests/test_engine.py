@@ -264,6 +264,61 @@ def test_deadline_passed_while_waiting_spends_no_prefill(tiny: LoadedModel) -> N
     assert run.finished["late"].event.usage.completion_tokens == 0
 
 
+def test_queue_deadline_ends_an_unstarted_job_before_any_prefill(tiny: LoadedModel) -> None:
+    now = [1000.0]
+    engine = Engine(
+        tiny, EngineConfig(kv_budget_bytes=16 * MiB, max_active=1), clock=lambda: now[0]
+    )
+    engine.submit(
+        GenerationRequest(job_id="busy", prompt_ids=[1], max_new_tokens=50, ignore_eos=True)
+    )
+    # Started in time: its queue deadline no longer matters once it runs.
+    run = Run(engine)
+    run.step()
+    engine.submit(GenerationRequest(job_id="stale", prompt_ids=[2] * 9, queue_deadline=999.0))
+    engine.submit(GenerationRequest(job_id="wait", prompt_ids=[3] * 9, queue_deadline=1001.0))
+    now[0] = 1001.5  # "wait" is still queued behind "busy"
+    run.drain()
+    for job_id in ("stale", "wait"):
+        done = run.finished[job_id]
+        assert done.event.reason == FinishReason.DEADLINE
+        assert done.event.error is not None and done.event.error.reason == "queue_deadline"
+        assert done.event.usage.completion_tokens == 0
+    assert run.finished["busy"].event.reason == FinishReason.LENGTH
+    assert sum(s.prefill_tokens for s in run.steps[1:]) == 0  # only "busy"'s first tick
+
+
+def test_a_dropped_job_frees_its_kv_and_ends_without_a_terminal_event(
+    tiny: LoadedModel,
+) -> None:
+    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * MiB))
+    run = Run(engine)
+    for job_id in ("lost", "kept"):
+        engine.submit(
+            GenerationRequest(job_id=job_id, prompt_ids=[5, 6], max_new_tokens=40, ignore_eos=True)
+        )
+    for _ in range(3):
+        run.step()
+    before = len(run.tokens["lost"])
+    assert before > 0
+    assert engine.drop("lost") and not engine.drop("lost")
+    run.drain()
+    assert set(run.finished) == {"kept"}
+    assert len(run.tokens["lost"]) == before  # nothing computed for it after the drop
+    assert engine.kv_used_bytes == 0
+    assert engine.telemetry()["lost_total"] == 1
+
+
+def test_room_leaves_jobs_nobody_has_started_in_the_fleet_queue(tiny: LoadedModel) -> None:
+    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * MiB, max_active=64, max_waiting=3))
+    assert engine.room() == 3  # 64 free slots, but only 3 unstarted jobs at a time
+    for i in range(3):
+        engine.submit(GenerationRequest(job_id=f"r{i}", prompt_ids=[i + 1], max_new_tokens=4))
+    assert engine.room() == 0
+    engine.step()  # all three start prefilling (and sample their first token)
+    assert engine.room() == 3
+
+
 def test_stop_strings_and_stop_ids_end_the_job_with_text_cut(tiny: LoadedModel) -> None:
     base = run_jobs(
         tiny, [GenerationRequest(job_id="s", prompt="abc", max_new_tokens=30, ignore_eos=True)]
