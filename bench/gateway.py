@@ -1,8 +1,11 @@
 """What the HTTP gateway costs: streamed chat requests through `tokenfleet gateway` vs the
-Python `AsyncProducer` directly, same workload, same worker, same run.
+Python `AsyncProducer` directly, same workload, same worker, same run; and (`--streams N`)
+whether one gateway process holds N concurrent streams.
 
 Usage: python bench/gateway.py [--requests 16] [--rounds 5] [--device cpu] [--threads 1]
        [--out bench/out/gateway.json]
+       python bench/gateway.py --streams 2000 [--workers 2] [--leave-share 0.1]
+       [--out bench/out/gateway-streams.json] [--plot docs/img/gateway-streams.png]
 
 Starts an embedded redis-server, ONE `tokenfleet worker` (tiny-random) and the gateway
 as a subprocess (`tokenfleet.gateway.command.gateway`), then runs rounds: each round
@@ -16,6 +19,17 @@ client, pooled over rounds). The gateway sends a chat stream's first chunk (the
 assistant role) as soon as the first token reaches it, so both modes time the same
 event. Also: the gateway process's CPU time per streamed token (Linux /proc).
 Prints a table, writes JSON.
+
+`--streams N`: the same embedded Redis, `--workers` tiny-random workers and the gateway
+subprocess (queue cap 2 N, queue timeout 15 min), and a client in a process of its own
+(this script with `--client`, httpx) that opens N streamed completions at once: most
+ask for 16–48 tokens; a `--leave-share` of them ask for 256 and hang up after 4. Counted
+client side: HTTP errors, error events, streams that did not end in `data: [DONE]`
+with every token, connection failures. Sampled every 0.5 s meanwhile: the gateway's
+RSS (/proc), its Redis connections by kind (CLIENT LIST: pub/sub and command), the
+streams it follows (/health) and the workers' KV in use and active sessions. At the
+end: the gateway's peak RSS (VmHWM), how the abandoned jobs finished, and whether the
+workers' `kv_used_bytes` went back to 0. Writes JSON and a plot of the samples.
 """
 
 from __future__ import annotations
@@ -34,9 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
+from tokenfleet.gateway.app import CLIENT_NAME
+from tokenfleet.gateway.subscriber import PUBSUB_CLIENT_NAME
+from tokenfleet.keys import Keys
 from tokenfleet.local import EmbeddedRedis, LocalWorkers, free_port
-from tokenfleet.producer import AsyncProducer
+from tokenfleet.producer import AsyncProducer, Producer
 from tokenfleet.protocol import GenerationRequest
 
 PREFIX = "bench-gw:"
@@ -155,18 +173,274 @@ async def run(
     return summarise(direct), summarise(gateway), 1000 * gateway_cpu / tokens
 
 
-def wait_healthy(gateway_url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+def wait_healthy(
+    gateway_url: str, proc: subprocess.Popen[bytes], timeout: float = 120, want: int = 1
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError("the gateway exited early")
         try:
-            if httpx.get(f"{gateway_url}/health", timeout=2).json().get("live_workers", 0) >= 1:
+            if httpx.get(f"{gateway_url}/health", timeout=2).json().get("live_workers", 0) >= want:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
     raise TimeoutError("the gateway or the worker did not come up")
+
+
+# ---- N concurrent streams (--streams) ------------------------------------------------
+
+
+def stream_plan(n: int, leave_share: float, seed: int = 11) -> list[tuple[int, int | None]]:
+    """(max_tokens, hang up after this many chunks or None) per stream."""
+    rng = random.Random(seed)
+    return [
+        (256, 4) if rng.random() < leave_share else (rng.randint(16, 48), None) for _ in range(n)
+    ]
+
+
+async def storm_client(url: str, plan: list[tuple[int, int | None]]) -> list[dict[str, Any]]:
+    """Every stream of `plan` at once; one record per stream."""
+    limits = httpx.Limits(max_connections=len(plan) + 16, max_keepalive_connections=0)
+    timeout = httpx.Timeout(1800, connect=120, pool=120)
+
+    async def one(http: httpx.AsyncClient, i: int, new: int, leave: int | None) -> dict[str, Any]:
+        words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 13))
+        body = {
+            "model": "default",
+            "prompt": words,
+            "max_tokens": new,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        rec: dict[str, Any] = {"max_tokens": new, "leaves": leave is not None, "status": None}
+        rec |= {"error": None, "done": False, "tokens": 0, "chunks": 0, "keepalives": 0}
+        start = time.perf_counter()
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as reply:
+                rec["status"] = reply.status_code
+                rec["job_id"] = reply.headers.get("x-tokenfleet-job-id")
+                if reply.status_code != 200:
+                    rec["error"] = (await reply.aread()).decode(errors="replace")[:300]
+                    return rec
+                async for line in reply.aiter_lines():
+                    if line.startswith(":"):
+                        rec["keepalives"] += 1
+                        continue
+                    if not line.startswith("data: "):
+                        continue
+                    payload = line[6:]
+                    if payload == "[DONE]":
+                        rec["done"] = True
+                        break
+                    if payload.startswith('{"error"'):
+                        rec["error"] = payload[:300]
+                        break
+                    if rec["chunks"] == 0:
+                        rec["ttft_s"] = time.perf_counter() - start
+                    rec["chunks"] += 1
+                    if '"usage":{' in payload:
+                        rec["tokens"] = json.loads(payload)["usage"]["completion_tokens"]
+                    if leave is not None and rec["chunks"] >= leave:
+                        break  # hang up mid-stream: the gateway must cancel the job
+        except Exception as exc:  # connect/read failures count as errors
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        rec["wall_s"] = time.perf_counter() - start
+        return rec
+
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
+        return await asyncio.gather(*(one(http, i, new, lv) for i, (new, lv) in enumerate(plan)))
+
+
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def fleet_sample(r: redis.Redis, keys: Keys) -> tuple[int, int]:
+    """(KV bytes in use, active sessions) summed over the live workers' hashes."""
+    kv = active = 0
+    for name in r.zrange(keys.workers(), 0, -1):
+        info = r.hmget(keys.worker(name.decode()), ["kv_used_bytes", "active"])
+        kv += int(info[0] or 0)
+        active += int(info[1] or 0)
+    return kv, active
+
+
+def storm(args: argparse.Namespace) -> None:
+    n = args.streams
+    keys = Keys(PREFIX)
+    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    redis_server = EmbeddedRedis.start()
+    r = redis.Redis.from_url(redis_server.url)
+    Producer(r, keys=keys).set_queue_cap(2 * n)  # every stream's job must fit in the queue
+    worker_args = ["--model", "tiny-random", "--device", args.device, "--threads", "1"]
+    worker_args += ["--max-batch", "256", "--max-active", "512", "--max-waiting", "64"]
+    worker_args += ["--kv-mb", "512"]
+    workers = LocalWorkers(redis_server.url, PREFIX, worker_args)
+    port = free_port()
+    gateway_url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-c", "import typer; from tokenfleet.gateway.command import gateway;"]
+    cmd[-1] += " typer.run(gateway)"
+    cmd += ["--redis-url", redis_server.url, "--prefix", PREFIX, "--port", str(port)]
+    cmd += ["--log-level", "warning", "--queue-timeout", "900"]
+    gateway_proc = subprocess.Popen(cmd)
+    samples: list[dict[str, float]] = []
+    out = Path(args.out)
+    client_out = out.with_suffix(".client.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        workers.start(args.workers, name_prefix="bench-gw")
+        wait_healthy(gateway_url, gateway_proc, want=args.workers)
+        client_cmd = [sys.executable, __file__, "--client", gateway_url, "--streams", str(n)]
+        client_cmd += ["--leave-share", str(args.leave_share), "--out", str(client_out)]
+        start = time.monotonic()
+        client = subprocess.Popen(client_cmd)
+        while client.poll() is None:
+            clients = r.client_list()
+            kv, active = fleet_sample(r, keys)
+            try:
+                health = httpx.get(f"{gateway_url}/health", timeout=10).json()
+                streams = health["pubsub"]["streams"]
+            except (httpx.HTTPError, KeyError):
+                streams = -1
+            samples.append(
+                {
+                    "t_s": time.monotonic() - start,
+                    "gateway_rss_mb": rss_mb(gateway_proc.pid),
+                    "pubsub_connections": sum(c.get("name") == PUBSUB_CLIENT_NAME for c in clients),
+                    "command_connections": sum(c.get("name") == CLIENT_NAME for c in clients),
+                    "streams": streams,
+                    "kv_used_mb": kv / 2**20,
+                    "active": active,
+                }
+            )
+            time.sleep(0.5)
+        wall = time.monotonic() - start
+        if client.returncode != 0:
+            raise RuntimeError(f"the client process failed ({client.returncode})")
+        records = json.loads(client_out.read_text())
+        # the workers' KV must go back to 0 once every stream ended (abandoned ones cancelled)
+        settle_start = time.monotonic()
+        kv, active = fleet_sample(r, keys)
+        while (kv or active) and time.monotonic() - settle_start < 120:
+            time.sleep(0.5)
+            kv, active = fleet_sample(r, keys)
+        settle = time.monotonic() - settle_start
+        peak_rss = rss_mb(gateway_proc.pid, "VmHWM")
+        leavers = [rec for rec in records if rec["leaves"] and rec.get("job_id")]
+        reasons: dict[str, int] = {}
+        for rec in leavers:
+            reason = r.hget(keys.job(rec["job_id"]), "finish_reason")
+            name = reason.decode() if reason else "unfinished"
+            reasons[name] = reasons.get(name, 0) + 1
+    finally:
+        gateway_proc.terminate()
+        gateway_proc.wait(timeout=30)
+        workers.drain()
+        r.close()
+        redis_server.stop()
+
+    def failed(rec: dict[str, Any]) -> bool:
+        if rec["status"] != 200 or rec["error"] is not None:
+            return True
+        return not rec["leaves"] and not (rec["done"] and rec["tokens"] == rec["max_tokens"])
+
+    stayers = [rec for rec in records if not rec["leaves"]]
+    ttfts = [rec["ttft_s"] for rec in stayers if "ttft_s" in rec]
+    result = {
+        "streams": n,
+        "workers": args.workers,
+        "worker": {"model": "tiny-random", "device": args.device, "threads": 1},
+        "leave_share": args.leave_share,
+        "errors": sum(failed(rec) for rec in records),
+        "error_examples": sorted({str(rec["error"])[:200] for rec in records if failed(rec)})[:10],
+        "completed_streams": sum(rec["done"] for rec in stayers),
+        "streams_expected_to_complete": len(stayers),
+        "abandoned_streams": len(leavers),
+        "abandoned_finish_reasons": reasons,
+        "completion_tokens": sum(rec["tokens"] for rec in stayers),
+        "keepalive_comments": sum(rec["keepalives"] for rec in records),
+        "wall_s": wall,
+        "ttft_p50_s": pct(ttfts, 50) if ttfts else None,
+        "ttft_p99_s": pct(ttfts, 99) if ttfts else None,
+        "gateway_peak_rss_mb": peak_rss,
+        "pubsub_connections_max": max(s["pubsub_connections"] for s in samples),
+        "command_connections_max": max(s["command_connections"] for s in samples),
+        "streams_followed_max": max(s["streams"] for s in samples),
+        "kv_used_bytes_after": kv,
+        "active_after": active,
+        "kv_settle_s": settle,
+        "samples": samples,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "loadavg_at_start": load_at_start,
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        },
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    client_out.unlink(missing_ok=True)
+    if args.plot:
+        plot_storm(result, Path(args.plot))
+    print(f"{n} concurrent streams, {args.workers} tiny-random worker(s), one gateway process")
+    for key in (
+        "errors",
+        "completed_streams",
+        "streams_expected_to_complete",
+        "abandoned_streams",
+        "abandoned_finish_reasons",
+        "gateway_peak_rss_mb",
+        "pubsub_connections_max",
+        "command_connections_max",
+        "kv_used_bytes_after",
+        "kv_settle_s",
+        "wall_s",
+    ):
+        print(f"  {key}: {result[key]}")
+    if result["error_examples"]:
+        print("  errors, e.g.:", *result["error_examples"], sep="\n    ")
+
+
+def plot_storm(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = result["samples"]
+    t = [s["t_s"] for s in samples]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    axes[0].plot(t, [s["streams"] for s in samples], label="streams the gateway follows")
+    axes[0].plot(t, [s["active"] for s in samples], label="sessions active on the workers")
+    axes[0].set_title(
+        f"{result['streams']:,} concurrent streams: {result['errors']} errors, "
+        f"{result['completed_streams']:,}/{result['streams_expected_to_complete']:,} complete, "
+        f"{result['abandoned_streams']} abandoned"
+    )
+    axes[0].legend(fontsize=8)
+    axes[1].plot(t, [s["gateway_rss_mb"] for s in samples], color="C2", label="gateway RSS")
+    axes[1].axhline(300, color="C3", linestyle=":", label="target 300 MB")
+    axes[1].set_ylabel("MB")
+    axes[1].legend(fontsize=8)
+    ax = axes[1].twinx()
+    ax.plot(t, [s["pubsub_connections"] for s in samples], color="C4", label="pub/sub conns")
+    ax.plot(t, [s["command_connections"] for s in samples], color="C5", label="command conns")
+    ax.set_ylabel("connections")
+    ax.legend(fontsize=8, loc="lower right")
+    axes[2].plot(t, [s["kv_used_mb"] for s in samples], color="C1")
+    axes[2].set_ylabel("workers' KV in use, MiB")
+    axes[2].set_xlabel("seconds since the first request")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
@@ -175,8 +449,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
-    parser.add_argument("--out", default="bench/out/gateway.json")
+    parser.add_argument("--out", default=None, help="default bench/out/gateway[-streams].json")
+    parser.add_argument("--streams", type=int, default=0, help="N concurrent streams instead")
+    parser.add_argument("--workers", type=int, default=2, help="workers of --streams")
+    parser.add_argument("--leave-share", type=float, default=0.1, help="clients that hang up")
+    parser.add_argument("--plot", default="docs/img/gateway-streams.png", help="of --streams")
+    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the client process
     args = parser.parse_args()
+    if args.client:
+        plan = stream_plan(args.streams, args.leave_share)
+        Path(args.out).write_text(json.dumps(asyncio.run(storm_client(args.client, plan))))
+        return
+    if args.streams:
+        args.out = args.out or "bench/out/gateway-streams.json"
+        storm(args)
+        return
+    args.out = args.out or "bench/out/gateway.json"
     jobs = workload(args.requests)
     load_at_start = [round(x, 2) for x in os.getloadavg()]
 

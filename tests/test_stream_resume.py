@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -374,3 +375,19 @@ def test_following_gives_up_with_the_connection_error_when_redis_stays_down(
     assert any("gave up following job down" in note for note in caught.value.__notes__)
     assert len(outcomes) == 1 and isinstance(outcomes[0], redis.ConnectionError), outcomes
     assert any("gave up" in note for note in outcomes[0].__notes__)
+
+
+def test_a_follower_started_before_the_submit_is_not_told_the_job_is_lost() -> None:
+    """Subscribe first, submit second (to miss nothing): a state check that ran before
+    the submit must not turn into JobLost once the job's events arrive."""
+    from tokenfleet.producer.common import JobFollower
+    from tokenfleet.protocol import TokenEvent, encode
+
+    now = time.monotonic()
+    follow = JobFollower("early", timeout=5)
+    follow.absorb([[], 0], replay=True, check=True, now=now)  # not submitted yet
+    assert follow.state_missing and not follow.known
+    follow.raise_if_over(now)  # unknown ids get a grace period
+    follow.feed_live(encode(TokenEvent(job_id="early", index=0, token_id=3, text="a")))
+    follow.raise_if_over(now)  # the job exists now: not lost
+    assert [e.index for e in follow.ready(now)] == [0]  # type: ignore[union-attr]

@@ -426,6 +426,33 @@ def bench(
     runpy.run_path(str(script), run_name="__main__")
 
 
+@app.command("acl")
+def acl(
+    prefix: Prefix = None,
+    clear: Annotated[
+        bool,
+        typer.Option("--clear", help="write given passwords as >text, not #sha256"),
+    ] = False,
+) -> None:
+    """Print a Redis ACL file: one user per role (producer, worker, gateway, operator),
+    each confined to the fleet's prefix with only the commands it sends.
+
+    A role's password comes from $TOKENFLEET_REDIS_<ROLE>_PASSWORD (written as its
+    SHA-256); without one the role gets the placeholder >change-me-<role>. Load the
+    file with `redis-server --aclfile FILE`. See docs/operations.md, "Least privilege"."""
+    import os
+
+    from tokenfleet.acl import PASSWORD_ENV, render_acl_file
+
+    conf = settings(None, prefix)
+    passwords = {name: os.environ[env] for name, env in PASSWORD_ENV.items() if os.environ.get(env)}
+    try:
+        text = render_acl_file(conf.prefix, passwords, hashed=not clear)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    sys.stdout.write(text)
+
+
 def main() -> None:
     import redis
 

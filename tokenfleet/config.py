@@ -1,7 +1,8 @@
 """Settings read once at the edge (CLI, worker start-up), never deep in the code.
 
-Environment: `TOKENFLEET_*` (e.g. `TOKENFLEET_PREFIX`, `TOKENFLEET_MODEL`) and
-`REDIS_URL` (also `rediss://` and URLs with a password).
+Environment: `TOKENFLEET_*` (e.g. `TOKENFLEET_PREFIX`, `TOKENFLEET_MODEL`,
+`TOKENFLEET_GATEWAY_QUEUE_TIMEOUT`) and `REDIS_URL` (also `rediss://` and URLs
+with a password).
 """
 
 from __future__ import annotations
@@ -23,3 +24,12 @@ class Settings(BaseSettings):
     device: str = "auto"
     dtype: str = "float32"
     queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")
+
+    # the gateway (`tokenfleet gateway`; its flags take precedence): TOKENFLEET_GATEWAY_*
+    gateway_queue_timeout: float = Field(
+        default=30.0, ge=0, description="seconds a job may wait for a worker; 0 = forever"
+    )
+    gateway_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    gateway_redis_connections: int = Field(default=64, ge=2, description="command pool size")
+    gateway_pubsub_connections: int = Field(default=2, ge=1)
+    gateway_keepalive: float = Field(default=15.0, gt=0, description="SSE keep-alive, seconds")

@@ -1,7 +1,10 @@
 """The gateway's FastAPI app: routes, API keys, error bodies, metrics.
 
 `create_app(settings)` builds it; `service.Gateway` does the work of each
-completion request. docs/http.md is the reference for clients.
+completion request. Redis is reached through one bounded pool of command
+connections that requests wait for (never "Too many connections") and the
+`Subscriber`'s few pub/sub connections, which every stream shares. docs/http.md
+is the reference for clients.
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import Settings
 from tokenfleet.gateway.errors import ApiError, unauthorized
+from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestCounter
 from tokenfleet.gateway.openai_models import ModelCard, ModelList
 from tokenfleet.gateway.service import Gateway, GatewayConfig, redis_down
+from tokenfleet.gateway.subscriber import Subscriber
+
+CLIENT_NAME = "tokenfleet-gateway"  # the command connections, in CLIENT LIST
 
 
 def create_app(settings: GatewayConfig | Settings) -> FastAPI:
@@ -34,12 +41,29 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = aredis.Redis.from_url(config.redis_url, health_check_interval=10)
-        app.state.gateway = Gateway(config, client, metrics)
+        pool = aredis.BlockingConnectionPool.from_url(
+            config.redis_url,
+            max_connections=config.redis_connections,
+            timeout=config.redis_wait_s,
+            health_check_interval=10,
+            client_name=CLIENT_NAME,
+        )
+        client = aredis.Redis(connection_pool=pool)
+        subscriber = Subscriber(pool, shards=config.pubsub_connections)
+        subscriber.start()
+        gw = Gateway(config, client, metrics, subscriber)
+        metrics.watch("live_streams", lambda: subscriber.watched)
+        metrics.watch("pubsub_connections", lambda: subscriber.connected)
+        metrics.watch("pubsub_reconnects", lambda: subscriber.reconnects)
+        metrics.watch("cancel_retries", lambda: gw.canceller.pending)
+        app.state.gateway = gw
         try:
             yield
         finally:
+            await gw.canceller.aclose()
+            await subscriber.aclose()
             await client.aclose()
+            await pool.aclose()
 
     def gateway_of(request: Request) -> Gateway:
         gw: Gateway = request.app.state.gateway
@@ -68,7 +92,8 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, metrics=metrics)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts the 413s too
     authed = [Depends(require_key)]
 
     @app.exception_handler(ApiError)
@@ -127,6 +152,11 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
                 "redis": True,
                 "live_workers": len(view.workers),
                 "models": sorted(view.models),
+                "pubsub": {
+                    "connections": gw.subscriber.connected,
+                    "of": gw.subscriber.shards,
+                    "streams": gw.subscriber.watched,
+                },
             }
         )
 

@@ -1,7 +1,9 @@
 """`tokenfleet gateway`: serve the OpenAI-compatible HTTP API (registered in cli.py).
 
 API keys come from `--api-key` (repeatable) and `$TOKENFLEET_API_KEYS`
-(comma-separated), read here at the edge. Without a key the gateway only binds a
+(comma-separated), read here at the edge. The limits (queue timeout, body size,
+connections, keep-alive) default to `Settings` (`$TOKENFLEET_GATEWAY_*`); a flag
+given takes precedence. Without a key the gateway only binds a
 loopback address, unless `--insecure-no-auth` says otherwise.
 """
 
@@ -9,9 +11,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 
 API_KEYS_ENV = "TOKENFLEET_API_KEYS"
 
@@ -55,6 +58,46 @@ def gateway(
         float | None,
         typer.Option("--job-timeout", help="deadline of every job, seconds after submit"),
     ] = None,
+    queue_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--queue-timeout",
+            help="503 + Retry-After when no worker started a job within S seconds; 0 = wait "
+            "forever (default 30; $TOKENFLEET_GATEWAY_QUEUE_TIMEOUT)",
+        ),
+    ] = None,
+    max_body_bytes: Annotated[
+        int | None,
+        typer.Option(
+            "--max-body-bytes",
+            help="413 for a bigger request body "
+            "(default 4 MiB; $TOKENFLEET_GATEWAY_MAX_BODY_BYTES)",
+        ),
+    ] = None,
+    redis_connections: Annotated[
+        int | None,
+        typer.Option(
+            "--redis-connections",
+            help="command connections to Redis; requests wait for one "
+            "(default 64; $TOKENFLEET_GATEWAY_REDIS_CONNECTIONS)",
+        ),
+    ] = None,
+    pubsub_connections: Annotated[
+        int | None,
+        typer.Option(
+            "--pubsub-connections",
+            help="pub/sub connections every stream shares "
+            "(default 2; $TOKENFLEET_GATEWAY_PUBSUB_CONNECTIONS)",
+        ),
+    ] = None,
+    keepalive: Annotated[
+        float | None,
+        typer.Option(
+            "--keepalive",
+            help="an SSE keep-alive comment after S seconds without an event "
+            "(default 15; $TOKENFLEET_GATEWAY_KEEPALIVE)",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
     redis_url: Annotated[
         str | None,
@@ -77,6 +120,17 @@ def gateway(
             f"refusing to serve {host} without API keys: pass --api-key (or set "
             f"${API_KEYS_ENV}), bind 127.0.0.1, or pass --insecure-no-auth"
         )
+    overrides: dict[str, Any] = {}
+    if queue_timeout is not None:
+        overrides["queue_timeout_s"] = queue_timeout or None
+    for field, flag in (
+        ("max_body_bytes", max_body_bytes),
+        ("redis_connections", redis_connections),
+        ("pubsub_connections", pubsub_connections),
+        ("keepalive_s", keepalive),
+    ):
+        if flag is not None:
+            overrides[field] = flag
     try:
         config = GatewayConfig.from_settings(
             settings(redis_url, prefix),
@@ -84,9 +138,11 @@ def gateway(
             retry_after_s=retry_after,
             default_max_tokens=default_max_tokens,
             job_timeout_s=job_timeout,
+            **overrides,
         )
-    except ValueError as exc:
+    except (ValueError, ValidationError) as exc:
         raise fail(str(exc)) from None
     auth = f"{len(keys)} API key(s)" if keys else "no auth"
     typer.echo(f"tokenfleet gateway on http://{host}:{port} ({auth}; fleet prefix {config.prefix})")
-    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level)
+    # enough listen backlog for a burst of clients connecting at once
+    uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, backlog=4096)

@@ -5,6 +5,7 @@ a second. Read-only: pruning stale names is left to `recovery.live_workers`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -67,11 +68,22 @@ class FleetReader:
         self.keys = keys
         self.cache_s = cache_s
         self._cached: tuple[float, FleetView] | None = None
+        self._reading: asyncio.Task[FleetView] | None = None
 
     async def read(self, *, fresh: bool = False) -> FleetView:
         now = time.monotonic()
         if not fresh and self._cached is not None and now - self._cached[0] < self.cache_s:
             return self._cached[1]
+        if fresh:
+            return await self._read()
+        # one read for every request that finds the cache stale at once (a burst of
+        # thousands would otherwise queue thousands of reads for the connection pool)
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+        return await asyncio.shield(self._reading)
+
+    async def _read(self) -> FleetView:
+        now = time.monotonic()
         names = [n.decode() for n in await self.client.zrange(self.keys.workers(), 0, -1)]
         pipe = self.client.pipeline(transaction=False)
         for name in names:

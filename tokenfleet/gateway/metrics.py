@@ -4,8 +4,9 @@ process, as the tests do), and the ASGI middleware that counts requests."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Seconds from the request's arrival to its first token: queueing + prefill + one hop.
@@ -52,6 +53,31 @@ class GatewayMetrics:
             ["model"],
             registry=self.registry,
         )
+
+        self.queue_timeouts = Counter(
+            "tokenfleet_gateway_queue_timeouts",
+            "requests answered 503 because no worker started their job within the queue timeout",
+            ["model"],
+            registry=self.registry,
+        )
+        self.body_too_large = Counter(
+            "tokenfleet_gateway_body_too_large",
+            "requests refused with 413 because their body was over the limit",
+            registry=self.registry,
+        )
+        self._gauges = {
+            name: Gauge(f"tokenfleet_gateway_{name}", doc, registry=self.registry)
+            for name, doc in (
+                ("live_streams", "jobs being followed now (one per waiting or streaming request)"),
+                ("pubsub_connections", "pub/sub connections up now (every stream shares them)"),
+                ("pubsub_reconnects", "times a pub/sub connection was re-established"),
+                ("cancel_retries", "cancels that failed on Redis and are being retried"),
+            )
+        }
+
+    def watch(self, name: str, read: Callable[[], float]) -> None:
+        """Gauge `name` reads `read()` at each scrape."""
+        self._gauges[name].set_function(read)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

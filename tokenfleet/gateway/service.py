@@ -2,11 +2,14 @@
 
 One request is one job: validate (400 naming the field) → route by `model` (404
 when live workers exist and none serves it) → refuse what no worker could ever
-hold (400) → submit (429 + Retry-After when the stream is at its cap) → wait for
-the first event (a rejection or failure before any token is an HTTP error) →
-answer with one JSON body or a server-sent-event stream ending in `data: [DONE]`.
-A client that hangs up has its job cancelled. docs/http.md is the reference; the
-routes around this are in `app.py`.
+hold (400) → submit (429 + Retry-After when the stream is at its cap). Then a
+non-streamed request waits for its job's end (a rejection or failure is an HTTP
+error; no worker starting it within the queue timeout is a 503 + Retry-After) and
+gets one JSON body; a streamed one gets its headers at once and a server-sent-event
+stream — keep-alive comments while it waits, the tokens, `data: [DONE]` — whose
+errors are error events. A client that hangs up, or whose job timed out in the
+queue, has its job cancelled. docs/http.md is the reference; the routes around
+this are in `app.py`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import Settings
-from tokenfleet.errors import InvalidRequest, JobRejected, QueueFull
+from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull
 from tokenfleet.gateway.errors import ApiError, from_finish, from_validation
 from tokenfleet.gateway.fleet import FleetReader, ServedModel
-from tokenfleet.gateway.jobs import ClientGone, EventStreamResponse, JobEvents
+from tokenfleet.gateway.jobs import (
+    Canceller,
+    ClientGone,
+    EventStreamResponse,
+    JobEvents,
+    QueueTimeout,
+)
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
 from tokenfleet.gateway.openai_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -38,8 +47,16 @@ from tokenfleet.gateway.openai_models import (
     CompletionRequest,
 )
 from tokenfleet.gateway.render import DONE, KEEPALIVE, Renderer
+from tokenfleet.gateway.subscriber import Subscriber
 from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_PREFIX, DEFAULT_QUEUE_CAP, Keys
-from tokenfleet.producer import AsyncJobHandle, AsyncProducer
+from tokenfleet.producer import AsyncProducer
+from tokenfleet.producer.common import (
+    SUBMIT_LUA,
+    check_fleet_fits,
+    encode_request,
+    parse_submit_reply,
+    submit_call,
+)
 from tokenfleet.protocol import (
     MAX_NEW_TOKENS,
     MODEL_NAME_PATTERN,
@@ -52,6 +69,9 @@ from tokenfleet.reasons import FinishReason
 Kind = Literal["completions", "chat"]
 log = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
+QUEUE_DEADLINE = "queue_deadline"  # a worker's error reason: it found the job past its
+# queue_deadline, still unstarted (finish reason `deadline`, no token)
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,13 @@ class GatewayConfig:
     job_timeout_s: float | None = None  # every job's deadline, from submit; None = none
     fleet_cache_s: float = 1.0  # how long a read of the workers' heartbeats is reused
     keepalive_s: float = 15.0  # an SSE comment after this much silence in a stream
+    queue_timeout_s: float | None = 30.0  # 503 when no worker started the job by then
+    max_body_bytes: int = MAX_BODY_BYTES  # a bigger request body is a 413, unread
+    redis_connections: int = 64  # the command pool's size (requests wait for one)
+    redis_wait_s: float = 30.0  # how long a command waits for a pooled connection
+    pubsub_connections: int = 2  # every stream's events, multiplexed over these
+    redis_outage_s: float = 60.0  # a stream outlives a Redis outage this long
+    cancel_retry_s: float = 300.0  # a cancel that failed on Redis is retried this long
 
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
@@ -79,27 +106,50 @@ class GatewayConfig:
             raise ValueError("job_timeout_s must be > 0")
         if self.keepalive_s <= 0 or self.fleet_cache_s < 0:
             raise ValueError("keepalive_s must be > 0 and fleet_cache_s ≥ 0")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError("queue_timeout_s must be > 0 (None: no queue timeout)")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be ≥ 1024")
+        if self.redis_connections < 2 or self.pubsub_connections < 1:
+            raise ValueError("redis_connections must be ≥ 2 and pubsub_connections ≥ 1")
+        if self.redis_wait_s <= 0 or self.redis_outage_s < 0 or self.cancel_retry_s < 0:
+            raise ValueError("redis_wait_s must be > 0, redis_outage_s and cancel_retry_s ≥ 0")
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> GatewayConfig:
         base = cls(
-            redis_url=settings.redis_url, prefix=settings.prefix, queue_cap=settings.queue_cap
+            redis_url=settings.redis_url,
+            prefix=settings.prefix,
+            queue_cap=settings.queue_cap,
+            queue_timeout_s=settings.gateway_queue_timeout or None,
+            max_body_bytes=settings.gateway_max_body_bytes,
+            redis_connections=settings.gateway_redis_connections,
+            pubsub_connections=settings.gateway_pubsub_connections,
+            keepalive_s=settings.gateway_keepalive,
         )
         return replace(base, **overrides)
 
 
 class Gateway:
-    """What the routes share: the producer, the fleet view, the metrics."""
+    """What the routes share: the producer, the shared pub/sub subscriber, the cancels
+    being retried, the fleet view, the metrics."""
 
     def __init__(
-        self, config: GatewayConfig, client: aredis.Redis, metrics: GatewayMetrics
+        self,
+        config: GatewayConfig,
+        client: aredis.Redis,
+        metrics: GatewayMetrics,
+        subscriber: Subscriber,
     ) -> None:
         self.config = config
         self.redis = client
         self.keys = Keys(config.prefix)
         self.producer = AsyncProducer(client, keys=self.keys, default_cap=config.queue_cap)
+        self._script = client.register_script(SUBMIT_LUA)
         self.fleet = FleetReader(client, self.keys, config.fleet_cache_s)
         self.metrics = metrics
+        self.subscriber = subscriber
+        self.canceller = Canceller(config.cancel_retry_s)
 
     # ---- one generation request ----------------------------------------------------
 
@@ -108,41 +158,83 @@ class Gateway:
         parsed = _parse(kind, await request.body())
         served = await self._route(parsed.model)
         job = self._job(parsed, kind, self._max_tokens(parsed, served))
-        handle = await self._submit(job, parsed.model)
+        handle = self.producer.handle(job.job_id)
+        events = JobEvents(
+            handle,
+            self.subscriber,
+            self.canceller,
+            None if parsed.stream else request.receive,  # Starlette watches streams
+            queue_timeout_s=self.config.queue_timeout_s,
+            outage_s=self.config.redis_outage_s,
+        )
+        try:
+            await events.subscribed(self.config.redis_wait_s)  # before the job can publish
+            await self._submit(job, parsed.model, served)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await events.close(cancel=False)
+            raise
         tally = RequestTally(self.metrics, parsed.model, arrived)
-
-        events = JobEvents(handle, request.receive)
         out = Renderer(kind, handle.id, parsed.model, int(time.time()))
         headers = {"X-Tokenfleet-Job-Id": handle.id}
 
         async def close() -> None:
-            """Always run, shielded: a job whose client is gone is cancelled in the fleet."""
+            """Always run, shielded: a job whose client is gone (or that timed out in the
+            queue) is cancelled in the fleet."""
             with anyio.CancelScope(shield=True):
                 await events.close()
             if events.cancelled:
                 self.metrics.cancelled.labels(parsed.model).inc()
 
+        if parsed.stream:  # the status line goes now: whatever fails later is an event
+            stream = self._stream(events, out, parsed.include_usage, tally)
+            response: Response = EventStreamResponse(stream, on_close=close)
+            response.headers.update(headers)
+            return response
         try:
-            first = await events.next()
-            assert first is not None  # no timeout given
-            if isinstance(first, FinishEvent) and first.reason in _FAILED:
-                raise from_finish(first, self.config.retry_after_s)
-            if parsed.stream:
-                events.stop_watching()
-                stream = self._stream(events, first, out, parsed.include_usage, tally)
-                response: Response = EventStreamResponse(stream, on_close=close)
-                response.headers.update(headers)
-                return response
-            text = await self._collect(events, first, tally)
+            text = await self._collect(events, tally)
         except ClientGone:
             await close()
             return Response(status_code=CLIENT_GONE)
+        except (QueueTimeout, JobLost, ApiError) as exc:
+            await close()
+            if isinstance(exc, QueueTimeout):
+                error = self._queue_timeout(exc.timeout_s, parsed.model)
+            else:
+                error = job_lost(exc) if isinstance(exc, JobLost) else exc
+            error.headers.update(headers)  # the job it was about
+            raise error from None
         except BaseException:
             await close()
             raise
         await close()
         assert events.finish is not None
         return JSONResponse(out.body(text, events.finish).model_dump(mode="json"), headers=headers)
+
+    def _queue_timeout(self, timeout_s: float, model: str) -> ApiError:
+        self.metrics.queue_timeouts.labels(model).inc()
+        return ApiError(
+            503,
+            f"no worker started the job within the queue timeout ({timeout_s:g} s); it was "
+            "cancelled: retry later",
+            type="server_error",
+            code="queue_timeout",
+            headers={"Retry-After": str(max(1, self.config.retry_after_s))},
+        )
+
+    def _failure(self, finish: FinishEvent, model: str) -> ApiError | None:
+        """The HTTP error a job's end before any token means, or None when it is an answer."""
+        if finish.reason in _FAILED:
+            return from_finish(finish, self.config.retry_after_s)
+        if (
+            finish.reason == FinishReason.DEADLINE
+            and finish.error is not None
+            and finish.error.reason == QUEUE_DEADLINE
+            and finish.usage.completion_tokens == 0
+            and self.config.queue_timeout_s is not None
+        ):
+            return self._queue_timeout(self.config.queue_timeout_s, model)
+        return None
 
     async def _route(self, model: str) -> ServedModel | None:
         """The live workers serving `model`; None when there are none (jobs queue anyway)."""
@@ -198,15 +290,19 @@ class Gateway:
         metadata: dict[str, Any] = {"via": "gateway", "endpoint": kind}
         if parsed.user:
             metadata["user"] = parsed.user
-        deadline = None
+        now = time.time()
+        deadline = queue_deadline = None
         if self.config.job_timeout_s is not None:
-            deadline = time.time() + self.config.job_timeout_s
+            deadline = now + self.config.job_timeout_s
+        if self.config.queue_timeout_s is not None:  # a job deadline before it still
+            queue_deadline = now + self.config.queue_timeout_s  # ends it as `deadline`
         fields = {
             **parsed.prompt_fields(),
             **parsed.fleet_fields(max_tokens),
             "job_id": uuid.uuid4().hex,
             "model": None if parsed.model == DEFAULT_MODEL else parsed.model,
             "deadline": deadline,
+            "queue_deadline": queue_deadline,
             "metadata": metadata,
         }
         try:
@@ -214,9 +310,14 @@ class Gateway:
         except ValidationError as exc:  # the OpenAI models check the same limits first
             raise from_validation(exc) from None
 
-    async def _submit(self, job: GenerationRequest, model: str) -> AsyncJobHandle:
+    async def _submit(self, job: GenerationRequest, model: str, served: ServedModel | None) -> None:
+        """`AsyncProducer.submit`, with the fleet's capacity from the gateway's own
+        (shared, cached) fleet view: one EVALSHA per request and nothing else."""
         try:
-            return await self.producer.submit(job)
+            check_fleet_fits(job, served.max_job_tokens if served is not None else None)
+            payload = encode_request(job)
+            script_keys, args = submit_call(self.keys, job, payload, self.config.queue_cap)
+            parse_submit_reply(self.keys, job, await self._script(keys=script_keys, args=args))
         except QueueFull as exc:
             self.metrics.queue_full.labels(model).inc()
             raise ApiError(
@@ -233,47 +334,38 @@ class Gateway:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
 
-    async def _collect(
-        self, events: JobEvents, first: TokenEvent | FinishEvent, tally: RequestTally
-    ) -> str:
+    async def _collect(self, events: JobEvents, tally: RequestTally) -> str:
         parts: list[str] = []
-        event: TokenEvent | FinishEvent | None = first
-        while not isinstance(event, FinishEvent):
+        while True:
+            event = await events.next()
             assert event is not None  # no timeout given
+            if isinstance(event, FinishEvent):
+                break
             tally.token(streamed=False)
             parts.append(event.text)
-            event = await events.next()
-        if event.reason in _FAILED:
-            raise from_finish(event, self.config.retry_after_s)
+        failure = self._failure(event, tally.model) if not parts else None
+        if failure is None and event.reason in _FAILED:
+            failure = from_finish(event, self.config.retry_after_s)
+        if failure is not None:
+            raise failure
         return "".join(parts)
 
     async def _stream(
-        self,
-        events: JobEvents,
-        first: TokenEvent | FinishEvent,
-        out: Renderer,
-        usage: bool,
-        tally: RequestTally,
+        self, events: JobEvents, out: Renderer, usage: bool, tally: RequestTally
     ) -> AsyncIterator[bytes]:
-        """The SSE body. The status line is sent already: failures become an error event."""
-        yield out.opening()
-        event: TokenEvent | FinishEvent | None = first
+        """The SSE body. The status line is sent already: failures become an error event
+        (then `data: [DONE]`); silences of `keepalive_s`, a keep-alive comment."""
+        opened = False
         while True:
-            if event is None:
-                yield KEEPALIVE
-            elif isinstance(event, TokenEvent):
-                tally.token(streamed=True)
-                if event.text:
-                    yield out.delta(event.text)
-            elif event.reason in _FAILED:
-                yield from_finish(event, self.config.retry_after_s).sse() + DONE
-                return
-            else:
-                yield out.closing(event, usage)
-                return
             try:
                 event = await events.next(timeout=self.config.keepalive_s)
             except ClientGone:
+                return
+            except QueueTimeout as exc:
+                yield self._queue_timeout(exc.timeout_s, tally.model).sse() + DONE
+                return
+            except JobLost as exc:
+                yield job_lost(exc).sse() + DONE
                 return
             except RedisError as exc:
                 yield redis_down(exc).sse() + DONE
@@ -283,6 +375,24 @@ class Gateway:
                 error = ApiError(500, f"reading the job failed: {exc}", type="server_error")
                 yield error.sse() + DONE
                 return
+            if event is None:
+                yield KEEPALIVE
+                continue
+            if isinstance(event, TokenEvent):
+                tally.token(streamed=True)
+                head = b"" if opened else out.opening()
+                opened = True
+                if event.text or head:
+                    yield head + (out.delta(event.text) if event.text else b"")
+                continue
+            failure = None if opened else self._failure(event, tally.model)
+            if failure is None and event.reason in _FAILED:
+                failure = from_finish(event, self.config.retry_after_s)
+            if failure is not None:
+                yield failure.sse() + DONE
+            else:
+                yield (b"" if opened else out.opening()) + out.closing(event, usage)
+            return
 
 
 _FAILED = (FinishReason.REJECTED, FinishReason.ERROR)
@@ -295,6 +405,10 @@ def _parse(kind: Kind, body: bytes) -> CompletionRequest | ChatCompletionRequest
         return CompletionRequest.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation(exc) from None
+
+
+def job_lost(exc: JobLost) -> ApiError:
+    return ApiError(503, str(exc), type="server_error", code="job_lost")
 
 
 def redis_down(exc: RedisError) -> ApiError:

@@ -339,6 +339,7 @@ class JobFollower:
                 self.asm.last_stream_id = _text(entry_id)
                 self.asm.feed_raw(fields[b"m"])
                 self.known = True
+                self.state_missing = False  # events prove it exists (checked again soon)
         if check:
             found = int(replies[-1])
             self.last_check = now
@@ -348,6 +349,7 @@ class JobFollower:
     def feed_live(self, data: bytes) -> None:
         self.asm.feed_raw(data)
         self.known = True
+        self.state_missing = False
 
     def ready(self, now: float) -> list[TokenEvent | FinishEvent]:
         events = self.asm.ready()

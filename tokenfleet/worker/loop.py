@@ -66,6 +66,7 @@ from tokenfleet.worker.engine import Engine, Finished
 from tokenfleet.worker.errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.queue import (
+    InFlight,
     TickReply,
     TickVerdict,
     TickWrite,
@@ -125,6 +126,17 @@ class _Held:
         return pending_tokens or self.end is not None
 
 
+@dataclass
+class _RoundTrip:
+    """One tick's pipeline, sent: the held jobs it wrote for (in order), the engine error
+    each carried instead of a terminal block (None for most), and whether it reads."""
+
+    call: InFlight
+    held: list[_Held]
+    errors: list[Finished | None]
+    reads: bool
+
+
 class Worker:
     def __init__(
         self,
@@ -144,6 +156,7 @@ class Worker:
         self.queue = WorkerQueue(client, keys, options.name, options.model)
         self.held: dict[str, _Held] = {}  # job id -> what this worker answers for
         self.prefetched: list[Delivery] = []  # read with the last publish, not yet admitted
+        self.in_flight: _RoundTrip | None = None  # sent, replies not read yet
         self.draining = False
         self.stop_now = False
         self.redis_oom = False  # Redis refused a write for lack of memory; backing off
@@ -193,13 +206,14 @@ class Worker:
 
     def _leave(self) -> None:
         """Hand back what was not finished: drop the heartbeat so others claim it now."""
+        self._receive()
         left = len(self.held) + len(self.prefetched)
         if left:
             log.info("handing back %d unfinished job(s)", left)
         self.queue.leave()
 
     def _should_exit(self) -> bool:
-        busy = bool(self.engine.has_work or self.held or self.prefetched)
+        busy = bool(self.engine.has_work or self.held or self.prefetched or self.in_flight)
         if self.draining:
             return not busy or time.monotonic() >= self._drain_deadline
         if self.options.burst and not busy:
@@ -271,12 +285,28 @@ class Worker:
     # ---- one iteration -----------------------------------------------------------
 
     def iteration(self) -> None:
+        """tick → (replies of the last round trip) → pull + admit → send this tick's.
+
+        The round trip of tick N is read after tick N+1 computed, so Redis's work and
+        the network overlap the forward pass. Its writes are fenced all the same; a job
+        lost or cancelled is dropped one tick later than it could be, never written."""
         if self._resync:
+            self._receive_quietly()
             self._resync_after_reconnect()
-        if not any(h.dirty for h in self.held.values()):  # an unsent tick goes out first
-            self.pull()
-            self.tick()
-        self.publish()
+        if self.in_flight is None and any(h.dirty for h in self.held.values()):
+            self.publish()  # catch up (after a failure) before computing anything new
+            return
+        self.tick()
+        self._receive()
+        self.pull()
+        self._send()
+
+    def _receive_quietly(self) -> None:
+        """A round trip cut by a lost connection: its replies are gone; what it carried
+        is still in the sessions and goes out again."""
+        sent, self.in_flight = self.in_flight, None
+        if sent is not None:
+            sent.call.abandon()
 
     def _resync_after_reconnect(self) -> None:
         """Recover what a lost connection may have hidden: entries read but never seen,
@@ -389,8 +419,15 @@ class Worker:
     # ---- publish -----------------------------------------------------------------
 
     def publish(self) -> None:
-        """One round trip: every held job's fenced writes, the heartbeat when due, and a
-        read of the entries the engine has room for next."""
+        """Send this tick's round trip (see `_send`) and wait for its replies."""
+        self._send()
+        self._receive()
+
+    def _send(self) -> None:
+        """Send, without waiting: every held job's fenced writes (tick.lua), the heartbeat
+        when due, and a read of the entries the engine has room for next. The replies
+        are read by `_receive`, after the next tick computed: Redis works meanwhile."""
+        assert self.in_flight is None, "a round trip is already in flight"
         held = list(self.held.values())
         read = 0
         if not self.draining and (self.engine.has_work or held):
@@ -405,26 +442,36 @@ class Worker:
             pipe.xreadgroup(GROUP, self.options.name, {self.queue.stream: ">"}, read, None)
         if self._heartbeat_due():
             self.heartbeat(pipe=pipe)
-        replies = pipe.execute(raise_on_error=False)
+        errors = [
+            h.end if h.end is not None and w.end is None else None
+            for h, w in zip(held, writes, strict=True)
+        ]
+        self.in_flight = _RoundTrip(InFlight(self.redis, pipe), held, errors, read > 0)
+
+    def _receive(self) -> None:
+        """Apply the replies of the round trip in flight, if any."""
+        sent, self.in_flight = self.in_flight, None
+        if sent is None:
+            return
+        replies = sent.call.replies()
         failures: list[Exception] = []
-        if read > 0:
-            got = replies[1 if writes else 0]
-            if isinstance(got, Exception):
-                failures.append(got)
-            else:
-                self.prefetched += [recovery.delivery(e, f, 1) for e, f in entries_of(got)]
-        if writes:
+        at = 0
+        if sent.held:
+            at = 1
             if isinstance(replies[0], NoScriptError):
                 self.queue.load_tick()  # Redis restarted: the writes go out next iteration
             elif isinstance(replies[0], Exception):
                 failures.append(replies[0])  # the writes stay in the sessions: retried
             else:
-                self._apply(held, self.queue.parse_tick(replies[0]))
-        failures += [
-            r
-            for r in replies[(1 if writes else 0) + (1 if read > 0 else 0) :]
-            if isinstance(r, Exception)
-        ]
+                self._apply(sent, self.queue.parse_tick(replies[0]))
+        if sent.reads:
+            got = replies[at]
+            at += 1
+            if isinstance(got, Exception):
+                failures.append(got)
+            else:
+                self.prefetched += [recovery.delivery(e, f, 1) for e, f in entries_of(got)]
+        failures += [r for r in replies[at:] if isinstance(r, Exception)]
         for failure in failures:
             if not self._missing_group(failure):
                 raise failure
@@ -441,8 +488,8 @@ class Worker:
             end = (held.end.result, held.end.event)
         return TickWrite(held.delivery.entry_id, held.job_id, held.unsent(), end)
 
-    def _apply(self, held: list[_Held], replies: list[TickReply]) -> None:
-        for job, reply in zip(held, replies, strict=True):
+    def _apply(self, sent: _RoundTrip, replies: list[TickReply]) -> None:
+        for job, error, reply in zip(sent.held, sent.errors, replies, strict=True):
             job.sent = reply.next_index
             if reply.verdict is TickVerdict.LOST:
                 self.engine.drop(job.job_id)
@@ -455,10 +502,10 @@ class Worker:
                 del self.held[job.job_id]
                 if self.metrics is not None and job.end is not None:
                     self.metrics.observe_finished(job.end)
+            elif error is not None and reply.verdict is not TickVerdict.GAP:
+                self._retry_or_dead_letter(job, error)  # an engine error: its events are out
             elif reply.verdict is TickVerdict.CANCEL and job.end is None:
                 self.engine.cancel(job.job_id)
-            elif job.end is not None and reply.verdict is not TickVerdict.GAP:
-                self._retry_or_dead_letter(job, job.end)  # an engine error: events are out
 
     def _retry_or_dead_letter(self, held: _Held, done: Finished) -> None:
         error = done.event.error

@@ -51,6 +51,7 @@ from tokenfleet.worker.recovery import (
 
 __all__ = [
     "Delivery",
+    "InFlight",
     "TickReply",
     "TickVerdict",
     "TickWrite",
@@ -410,6 +411,46 @@ class WorkerQueue:
         pipe.delete(self.keys.worker(self.worker))
         pipe.zrem(self.keys.workers(), self.worker)
         pipe.execute()
+
+
+class InFlight:
+    """A pipeline sent on a connection of its own whose replies are read later, so the
+    caller computes while Redis works (redis-py's `execute` sends and reads in one go).
+    Read it with `replies()` or give it up with `abandon()`: either returns the
+    connection to the pool."""
+
+    def __init__(self, client: redis.Redis, pipe: Any) -> None:
+        self.client = client
+        self.commands: list[tuple[tuple[Any, ...], dict[str, Any]]] = list(pipe.command_stack)
+        pool = client.connection_pool
+        self.conn = pool.get_connection()
+        try:
+            self.conn.send_packed_command(
+                self.conn.pack_commands([args for args, _ in self.commands])
+            )
+        except BaseException:
+            self.abandon()
+            raise
+
+    def replies(self) -> list[Any]:
+        """Every command's reply in order; a command's error is its reply (not raised)."""
+        out: list[Any] = []
+        try:
+            for args, options in self.commands:
+                try:
+                    out.append(self.client.parse_response(self.conn, args[0], **options))
+                except ResponseError as exc:
+                    out.append(exc)
+        except BaseException:
+            self.conn.disconnect()  # a reply left unread would desynchronise the socket
+            raise
+        finally:
+            self.client.connection_pool.release(self.conn)
+        return out
+
+    def abandon(self) -> None:
+        self.conn.disconnect()
+        self.client.connection_pool.release(self.conn)
 
 
 def _str(value: Any) -> str:
