@@ -632,6 +632,47 @@ def test_the_gateway_serves_completions_under_the_gateway_role(
     acl.assert_no_denials()
 
 
+def test_a_gateway_refused_a_command_says_so_instead_of_redis_unavailable(
+    acl: AclServer, workers: Fleet, tmp_path: Path
+) -> None:
+    """A missing permission is the operator's to fix: 500 `redis_forbidden` naming the
+    command, not a `503 redis_unavailable` that clients would retry forever."""
+    lacking = without(role("gateway"), "evalsha")  # the submit script
+    acl.admin.execute_command("ACL", "SETUSER", lacking.name, *rules(lacking, password="pw"))
+    port = free_port()
+    log = tmp_path / "gateway.log"
+    url = acl.url(lacking.name, "pw")
+    args = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", url]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+
+            replies: list[httpx.Response] = []
+
+            def answered() -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(f"the gateway exited:\n{log.read_text()}")
+                try:
+                    body = {"model": "default", "prompt": "Hello", "max_tokens": 4}
+                    replies.append(http.post("/v1/completions", json=body))
+                except httpx.TransportError:
+                    return False
+                return True
+
+            wait_for(answered, 60, "the gateway to answer")
+            reply = replies[0]
+            assert reply.status_code == 500, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "redis_forbidden" and "evalsha" in error["message"], error
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        acl.admin.execute_command("ACL", "DELUSER", lacking.name)
+        acl.admin.execute_command("ACL", "LOG", "RESET")
+
+
 def test_the_operator_role_runs_status_dead_letters_and_queue_cap(
     acl: AclServer, workers: Fleet
 ) -> None:

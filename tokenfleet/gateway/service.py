@@ -25,7 +25,12 @@ from typing import Any, Literal
 import anyio
 import redis.asyncio as aredis
 from pydantic import ValidationError
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisError,
+)
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -412,6 +417,27 @@ def job_lost(exc: JobLost) -> ApiError:
 
 
 def redis_down(exc: RedisError) -> ApiError:
+    """A Redis failure as the client should see it: refused credentials or a missing ACL
+    permission are the operator's to fix (500, named), not an outage to retry (503)."""
+    message = str(exc)
+    if (
+        isinstance(exc, NoPermissionError | AuthenticationError)
+        or "can't run this command" in message
+    ):
+        return ApiError(
+            500,
+            f"the gateway's Redis user was refused: {message}"
+            " (see docs/operations.md, 'Least privilege')",
+            type="server_error",
+            code="redis_forbidden",
+        )
+    if isinstance(exc, OutOfMemoryError) or message.startswith("OOM"):
+        return ApiError(
+            503,
+            f"the fleet's Redis is out of memory: {message}",
+            type="server_error",
+            code="redis_out_of_memory",
+        )
     return ApiError(
         503,
         f"the fleet's Redis is unavailable: {exc}",
