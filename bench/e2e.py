@@ -66,6 +66,7 @@ MiB = 1024 * 1024
 LONG = 4  # sessions in flight when the burst arrives
 BURST_AFTER = 8  # tokens each of them has before the burst is submitted
 TIMEOUT_S = 300.0
+EXTRA_WORKER_ARGS: list[str] = []  # --worker-args: more `tokenfleet worker` flags (A/B runs)
 
 # Runs `tokenfleet worker` unchanged except that the seconds inside Engine.step reach
 # the heartbeat (as bench_step_s), so the loop's own time can be told apart.
@@ -321,7 +322,7 @@ class Fleet:
         self.producer = Producer(self.client, keys=self.keys)
         self.logs = tempfile.TemporaryDirectory(prefix="tokenfleet-e2e-")
         args = ["--redis-url", url, "--prefix", prefix, "--model", model_dir, "--device", "cpu"]
-        args += ["--dtype", "float32", *flags.cli()]
+        args += ["--dtype", "float32", *flags.cli(), *EXTRA_WORKER_ARGS]
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         for i in range(k):
             name = f"e2e-{os.getpid()}-{i}"
@@ -825,9 +826,13 @@ def main() -> None:
         "one block each; k > 1 workers always get 1",
     )
     parser.add_argument("--quick", action="store_true", help="one round per block")
+    parser.add_argument(
+        "--worker-args", default="", help="extra `tokenfleet worker` flags, e.g. --no-overlap"
+    )
     parser.add_argument("--out", default="bench/out/e2e.json")
     parser.add_argument("--plot", default="docs/img/e2e.png")
     args = parser.parse_args()
+    EXTRA_WORKER_ARGS.extend(args.worker_args.split())
     # A SIGTERM unwinds like Ctrl-C, so workers, redis-server and temp folders are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -838,6 +843,7 @@ def main() -> None:
     settings = Settings.quick(blocks) if args.quick else Settings.full(blocks)
     machine = machine_info()
     machine["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "MKL_"))}
+    machine["worker_args"] = EXTRA_WORKER_ARGS
     machine["load_at_start"] = load_now()
     started = time.perf_counter()
     results: dict[str, Any] = {}

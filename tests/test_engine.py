@@ -309,14 +309,22 @@ def test_a_dropped_job_frees_its_kv_and_ends_without_a_terminal_event(
     assert engine.telemetry()["lost_total"] == 1
 
 
-def test_room_leaves_jobs_nobody_has_started_in_the_fleet_queue(tiny: LoadedModel) -> None:
-    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * MiB, max_active=64, max_waiting=3))
-    assert engine.room() == 3  # 64 free slots, but only 3 unstarted jobs at a time
-    for i in range(3):
-        engine.submit(GenerationRequest(job_id=f"r{i}", prompt_ids=[i + 1], max_new_tokens=4))
+def test_room_is_what_the_next_tick_can_start_plus_the_waiting_list(tiny: LoadedModel) -> None:
+    config = EngineConfig(
+        kv_budget_bytes=16 * MiB, max_active=64, max_waiting=2, max_prefill_tokens_per_tick=64
+    )
+    engine = Engine(tiny, config)
+    # 64 free slots, but one tick prefills 64 tokens: 2 prompts of the assumed 32 tokens,
+    # plus the 2 places of the waiting list.
+    assert engine.room() == 4
+    for i in range(4):
+        request = GenerationRequest(job_id=f"r{i}", prompt_ids=[i + 1] * 32, max_new_tokens=4)
+        assert engine.submit(request).accepted
+    assert engine.room() == 0  # 128 prompt tokens wait for prefill: nothing more now
+    engine.step()  # 64 of them prefilled
     assert engine.room() == 0
-    engine.step()  # all three start prefilling (and sample their first token)
-    assert engine.room() == 3
+    engine.step()
+    assert engine.room() == 4  # all started: the next tick's prefill is free again
 
 
 def test_stop_strings_and_stop_ids_end_the_job_with_text_cut(tiny: LoadedModel) -> None:

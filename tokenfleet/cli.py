@@ -152,6 +152,13 @@ def worker(
     ] = False,
     max_deliveries: Annotated[int, typer.Option("--max-deliveries")] = 3,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="seconds")] = 30.0,
+    overlap: Annotated[
+        bool,
+        typer.Option(
+            "--overlap/--no-overlap",
+            help="read each tick's Redis replies after the next forward pass (default)",
+        ),
+    ] = True,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads")] = None,
     metrics_port: Annotated[
         int | None, typer.Option("--metrics-port", help="serve Prometheus metrics on this port")
@@ -222,6 +229,7 @@ def worker(
         burst=burst,
         max_deliveries=max_deliveries,
         drain_timeout_s=drain_timeout,
+        overlap=overlap,
         info={
             "model": model_name or "default",
             "checkpoint": model,

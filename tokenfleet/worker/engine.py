@@ -14,6 +14,7 @@ error) comes out of `step()` as a `Finished`.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -137,6 +138,9 @@ class Engine:
         self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
         self.waiting: deque[Session] = deque()  # queued locally until they fit
         self._ended: list[Finished] = []  # outcomes decided between ticks
+        # Mean prompt length of admitted jobs (moving average): how many jobs one tick's
+        # prefill budget starts, for `room()`. Starts at two blocks.
+        self._prompt_mean = float(2 * self.budget.layout.block_size)
         eos = () if loaded.tokenizer is None else loaded.tokenizer.eos_token_ids
         self._eos = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
 
@@ -230,15 +234,20 @@ class Engine:
         return found
 
     def room(self) -> int:
-        """How many more jobs to pull now: free slots, but never more jobs that have not
-        started prefilling than the local waiting list holds (at least one): a job nobody
-        here has started yet is better left in the fleet's queue, where an idle worker
-        takes it, so a burst spreads over the fleet instead of piling onto one reader."""
-        not_started = len(self.waiting) + self.scheduler.num_unstarted
+        """How many more jobs to pull now: free slots, but only as many jobs as the coming
+        tick's prefill budget can start (judged by the mean prompt length seen so far),
+        plus the local waiting list's free places. A job nobody here can start soon is
+        better left in the fleet's queue, where an idle worker takes it: a burst spreads
+        over the fleet instead of piling onto the first reader."""
         free = self.admission.room(
             active_count=len(self.sessions), waiting_count=len(self.waiting), kv=self.blocks
         )
-        return max(0, min(free, max(1, self.budget.max_waiting) - not_started))
+        backlog = self.scheduler.prefill_backlog + sum(len(s.prompt_ids) for s in self.waiting)
+        spare = max(0, self.budget.max_prefill_tokens_per_tick - backlog)
+        startable = math.ceil(spare / max(1.0, self._prompt_mean))
+        not_started = len(self.waiting) + self.scheduler.num_unstarted
+        cap = startable + self.budget.max_waiting - not_started
+        return max(0, min(free, cap))
 
     # ---- one tick ----------------------------------------------------------------
 
@@ -387,6 +396,7 @@ class Engine:
         self.scheduler.add(session.seq)
         session.admitted_at = now
         self.sessions[session.job_id] = session
+        self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)
 
     def _promote(self, now: float) -> None:
         while self.waiting and self.admission.fits_now(

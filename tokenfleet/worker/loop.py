@@ -97,6 +97,7 @@ class WorkerOptions:
     max_deliveries: int = 3  # a job delivered more often goes to the dead letters
     drain_timeout_s: float = 30.0
     reconnect_max_s: float = 5.0
+    overlap: bool = True  # read a tick's replies after the next forward (see `iteration`)
     info: dict[str, Any] = field(default_factory=dict)  # identity fields for the heartbeat
 
 
@@ -300,6 +301,8 @@ class Worker:
         self._receive()
         self.pull()
         self._send()
+        if not self.options.overlap:
+            self._receive()
 
     def _receive_quietly(self) -> None:
         """A round trip cut by a lost connection: its replies are gone; what it carried

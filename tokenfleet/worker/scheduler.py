@@ -172,6 +172,11 @@ class Scheduler:
         return sum(1 for seq in self._waiting if seq.status is SeqStatus.WAITING)
 
     @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens admitted sessions still have to prefill."""
+        return sum(seq.prefill_remaining for seq in self._waiting)
+
+    @property
     def num_running(self) -> int:
         return len(self._running)
 
