@@ -127,16 +127,24 @@ def take_over(
     assert pending_to(r, stalled.name) == []
 
 
+def mid_stream(
+    fleet: Fleet, r: redis.Redis, name: str, jobs: list[GenerationRequest]
+) -> tuple[WorkerProcess, list[Follower]]:
+    """A worker of `fleet` holding at least 4 of `jobs`, with tokens flowing to clients."""
+    worker = fleet.start(name, burst=False)
+    fleet.wait_alive(worker)
+    producer = Producer(r)
+    followers = [Follower(producer.submit(req)) for req in jobs]
+    ids = [f.handle.id for f in followers]
+    wait_for(lambda: len(pending_to(r, name)) >= 4, 60, f"{name} to hold jobs")
+    wait_for(lambda: tokens_out(r, ids) >= 40, 60, "tokens to flow")
+    return worker, followers
+
+
 def test_a_paused_worker_writes_nothing_after_its_jobs_moved_on(
     fleet: Fleet, r: redis.Redis
 ) -> None:
-    producer = Producer(r)
-    paused = fleet.start("paused", burst=False)
-    fleet.wait_alive(paused)
-    followers = [Follower(producer.submit(req)) for req in sampled_jobs("pause", 12)]
-    ids = [f.handle.id for f in followers]
-    wait_for(lambda: len(pending_to(r, "paused")) >= 4, 60, "the worker to hold jobs")
-    wait_for(lambda: tokens_out(r, ids) >= 40, 60, "tokens to flow")
+    paused, followers = mid_stream(fleet, r, "paused", sampled_jobs("pause", 12))
     paused.signal(signal.SIGSTOP)
     held = pending_to(r, "paused")
     try:
@@ -160,13 +168,7 @@ def test_a_partitioned_worker_writes_nothing_after_the_network_heals(
     cut_off = Fleet(proxy.url, tmp_path / "cut")
     (tmp_path / "cut").mkdir()
     try:
-        producer = Producer(r)
-        worker = cut_off.start("cut-off", burst=False)
-        cut_off.wait_alive(worker)
-        followers = [Follower(producer.submit(req)) for req in sampled_jobs("cut", 10)]
-        ids = [f.handle.id for f in followers]
-        wait_for(lambda: len(pending_to(r, "cut-off")) >= 4, 60, "the worker to hold jobs")
-        wait_for(lambda: tokens_out(r, ids) >= 40, 60, "tokens to flow")
+        worker, followers = mid_stream(cut_off, r, "cut-off", sampled_jobs("cut", 10))
         proxy.cut()
         try:
             take_over(fleet, r, followers, worker)

@@ -61,6 +61,25 @@ def outcome(
     return result, FinishEvent(job_id=job_id, reason=reason, usage=usage, error=error)
 
 
+def _tick(queue: WorkerQueue, *writes: TickWrite) -> list[TickReply]:
+    pipe = queue.redis.pipeline(transaction=False)
+    queue.tick(list(writes), pipe)
+    (reply,) = pipe.execute()
+    return queue.parse_tick(reply)
+
+
+def _tokens(job_id: str, indices: range) -> list[TokenEvent]:
+    return [TokenEvent(job_id=job_id, index=i, token_id=100 + i, text=f"t{i}") for i in indices]
+
+
+def finish(
+    queue: WorkerQueue, entry_id: str, job_id: str, result: JobResult, fin: FinishEvent
+) -> bool:
+    """The job's terminal write alone (a tick with no new events): True when it ended it."""
+    (reply,) = _tick(queue, TickWrite(entry_id, job_id, [], (result, fin)))
+    return reply.verdict is TickVerdict.DONE
+
+
 def events(r: redis.Redis, job_id: str) -> list[TokenEvent | FinishEvent]:
     return [decode_event(fields[b"m"]) for _id, fields in r.xrange(KEYS.events(job_id))]
 
@@ -106,7 +125,7 @@ def test_jobs_submitted_before_any_worker_are_served_and_group_loss_recovers(
 
     r.xgroup_destroy(STREAM, GROUP)  # as after a Redis restart without the group
     result, fin = outcome("job-0")
-    assert a.finish(got[0].entry_id, "job-0", result, fin) is False  # owns nothing now
+    assert finish(a, got[0].entry_id, "job-0", result, fin) is False  # owns nothing now
     assert finish_events(r, "job-0") == []
     assert [d.job_id for d in a.read(10)] == ["job-0", "job-1"]  # served again
 
@@ -131,7 +150,7 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     pubsub.subscribe(KEYS.channel("job-0"))
     wait_for(lambda: r.pubsub_numsub(KEYS.channel("job-0"))[0][1] == 1, 5, "subscription")
     result, fin = outcome("job-0")
-    assert a.finish(d.entry_id, "job-0", result, fin) is True
+    assert finish(a, d.entry_id, "job-0", result, fin) is True
 
     assert decode_result(r.get(KEYS.result("job-0"))) == result
     assert 0 < r.ttl(KEYS.result("job-0")) <= RESULT_TTL_S
@@ -154,28 +173,26 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     assert handle.result(timeout=5) == result
 
     # Nobody can finish it again: not another worker, not the same one.
-    assert worker(r, "b").finish(d.entry_id, "job-0", result, fin) is False
-    assert a.finish(d.entry_id, "job-0", result, fin) is False
+    assert finish(worker(r, "b"), d.entry_id, "job-0", result, fin) is False
+    assert finish(a, d.entry_id, "job-0", result, fin) is False
     assert finish_events(r, "job-0") == [fin]
 
 
-def test_finish_batches_into_a_pipeline(r: redis.Redis) -> None:
+def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
     submit(r, 1)
     a = worker(r, "a")
     (d,) = a.read(1)
     result, fin = outcome("job-0")
-    pipe = r.pipeline(transaction=False)
-    queue_event(pipe, KEYS, TokenEvent(job_id="job-0", index=0, token_id=7))
-    a.finish(d.entry_id, "job-0", result, fin, pipe=pipe)
-    assert pipe.execute()[-1] == 1
+    write = TickWrite(d.entry_id, "job-0", _tokens("job-0", range(1)), (result, fin))
+    assert _tick(a, write) == [TickReply(TickVerdict.DONE, 1)]
     assert [type(e) for e in events(r, "job-0")] == [TokenEvent, FinishEvent]
     assert r.xlen(STREAM) == 0
 
 
-def test_finish_refuses_mismatched_job_ids(r: redis.Redis) -> None:
+def test_a_tick_refuses_mismatched_job_ids(r: redis.Redis) -> None:
     result, fin = outcome("job-0")
     with pytest.raises(ValueError):
-        worker(r, "a").finish("1-0", "job-1", result, fin)
+        _tick(worker(r, "a"), TickWrite("1-0", "job-1", [], (result, fin)))
 
 
 # --- ownership and claims ---------------------------------------------------------
@@ -190,9 +207,9 @@ def test_dead_workers_entry_moves_and_only_the_new_owner_finishes(r: redis.Redis
     assert pending(r) == [(d.entry_id, "b")]
 
     result, fin = outcome("job-0")
-    assert a.finish(d.entry_id, "job-0", result, fin) is False
+    assert finish(a, d.entry_id, "job-0", result, fin) is False
     assert finish_events(r, "job-0") == []
-    assert b.finish(d.entry_id, "job-0", result, fin) is True
+    assert finish(b, d.entry_id, "job-0", result, fin) is True
     assert finish_events(r, "job-0") == [fin]
 
 
@@ -340,17 +357,6 @@ def test_accept_serves_only_the_entry_the_submit_script_recorded(r: redis.Redis)
     assert a.accept([]) == []
 
 
-def _tick(queue: WorkerQueue, *writes: TickWrite) -> list[TickReply]:
-    pipe = queue.redis.pipeline(transaction=False)
-    queue.tick(list(writes), pipe)
-    (reply,) = pipe.execute()
-    return queue.parse_tick(reply)
-
-
-def _tokens(job_id: str, indices: range) -> list[TokenEvent]:
-    return [TokenEvent(job_id=job_id, index=i, token_id=100 + i, text=f"t{i}") for i in indices]
-
-
 def test_tick_appends_each_index_once_and_finishes_only_what_it_owns(r: redis.Redis) -> None:
     submit(r, 2)
     a, b = worker(r, "a"), worker(r, "b")
@@ -485,5 +491,5 @@ def test_redeliver_counts_a_retry_only_for_the_owner(r: redis.Redis) -> None:
     r.xdel(STREAM, deleted.entry_id)
     assert a.redeliver(deleted.entry_id) is None
     result, fin = outcome("job-0")
-    assert a.finish(mine.entry_id, "job-0", result, fin) is True
+    assert finish(a, mine.entry_id, "job-0", result, fin) is True
     assert a.redeliver(mine.entry_id) is None  # finished

@@ -11,7 +11,7 @@
 -- ARGV[10] DEAD_LETTERS_MAXLEN    ARGV[11] '1' when the entry's data was deleted while
 --          pending and a claim already took it off the pending list (Delivery.lost);
 --          it is then accepted when pending to nobody and absent from the stream
--- ARGV[12..19]  optional terminal block, as finish.lua's ARGV[5..12]
+-- ARGV[12..19]  optional terminal block, see terminal() in owned_entry.lua
 --
 -- The job id comes from the entry or its payload, which anyone who can XADD wrote: the
 -- terminal block is skipped unless the job's state hash records this very entry (a job

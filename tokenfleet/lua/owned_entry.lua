@@ -1,5 +1,5 @@
 -- Functions for the scripts that act on a jobs-stream entry this worker owns
--- (tick.lua, accept.lua, finish.lua, dead_letter.lua, redeliver.lua). Not a script by itself:
+-- (tick.lua, accept.lua, dead_letter.lua, redeliver.lua). Not a script by itself:
 -- tokenfleet.worker.queue prepends this file to each of them before registering it.
 --
 -- Those scripts share this calling convention:
@@ -41,7 +41,7 @@ local function terminal_writes(t)
   redis.call('PUBLISH', t.channel, t.finish_data)
 end
 
--- The terminal block as finish.lua and dead_letter.lua pass it: keys KEYS[k..k+2]
+-- The terminal block as dead_letter.lua passes it: keys KEYS[k..k+2]
 -- (result, job hash, replay stream), args ARGV[a..a+7] (result data, its TTL, finish
 -- reason, job hash TTL, finish event, events maxlen, events TTL, live channel).
 local function terminal(k, a)

@@ -408,21 +408,16 @@ class Engine:
             self._start(self.waiting.popleft(), now)
 
     def _expire(self, now: float) -> None:
-        expired = [
-            s
-            for s in (*self.sessions.values(), *self.waiting)
-            if s.request.deadline is not None and s.request.deadline <= now
-        ]
-        for session in expired:
-            self._end(session, FinishReason.DEADLINE, now)
-        unstarted = [*self.waiting, *(s for s in self.sessions.values() if self._unstarted(s))]
-        for session in unstarted:
-            if _queue_expired(session, now):
-                self._end(session, FinishReason.DEADLINE, now, _QUEUE_DEADLINE)
-
-    def _unstarted(self, session: Session) -> bool:
-        seq = session.seq
-        return seq is not None and seq.status is SeqStatus.WAITING
+        """End jobs past their deadline, and jobs not started yet past their queue deadline
+        (before any prefill is spent on them)."""
+        expired: list[tuple[Session, ErrorInfo | None]] = []
+        for s in (*self.sessions.values(), *self.waiting):
+            if s.request.deadline is not None and s.request.deadline <= now:
+                expired.append((s, None))
+            elif _queue_expired(s, now) and (s.seq is None or s.seq.status is SeqStatus.WAITING):
+                expired.append((s, _QUEUE_DEADLINE))
+        for session, error in expired:
+            self._end(session, FinishReason.DEADLINE, now, error)
 
     def _end(
         self, session: Session, reason: FinishReason, now: float, error: ErrorInfo | None = None

@@ -354,19 +354,18 @@ class Worker:
             return
         verdicts = self.queue.accept([d for d, _ in decoded])
         for (delivery, request), (verdict, cancelled) in zip(decoded, verdicts, strict=True):
-            if verdict is Verdict.OK and request.job_id not in self.held:
-                if delivery.deliveries > self.options.max_deliveries:
-                    message = (
-                        f"delivered {delivery.deliveries} times"
-                        f" (limit {self.options.max_deliveries})"
-                    )
-                    self._dead_letter(
-                        delivery, "too_many_deliveries", message, job_id=request.job_id, error=True
-                    )
-                else:
+            if verdict is Verdict.OK:
+                if request.job_id in self.held:
+                    continue  # held here already (its entry read again after a reconnect)
+                if delivery.deliveries <= self.options.max_deliveries:
                     self._submit(delivery, request, cancelled)
-            elif verdict is Verdict.OK:
-                pass  # the entry of a job held here already (read again after a reconnect)
+                    continue
+                message = (
+                    f"delivered {delivery.deliveries} times (limit {self.options.max_deliveries})"
+                )
+                self._dead_letter(
+                    delivery, "too_many_deliveries", message, job_id=request.job_id, error=True
+                )
             elif verdict is Verdict.LOST:
                 log.warning("entry %s belongs to another worker now: skipped", delivery.entry_id)
             elif verdict is Verdict.UNSUBMITTED:

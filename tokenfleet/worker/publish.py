@@ -1,8 +1,9 @@
-"""Writing a job's events to Redis: the replay stream plus the live channel.
+"""Writing a job's events to Redis without the worker's fence: the replay stream plus
+the live channel, as a client sees them.
 
-Helpers take a pipeline so a worker batches one tick's events into one round
-trip. An event is appended to the job's replay stream first, then announced
-on its channel: a client that subscribes, then replays, misses nothing.
+Workers never use this (they write through tick.lua, owner-checked); tests and
+benchmarks use it to play a job's events to a client. An event is appended to
+the job's replay stream first, then announced on its channel.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def queue_event(pipe: Any, keys: Keys, event: TokenEvent | FinishEvent) -> None:
     # Trimming is safe here: it bounds a replay log that holds at most MAX_NEW_TOKENS + 1.
     pipe.xadd(stream, {"m": data}, maxlen=EVENTS_MAXLEN, approximate=True)
     if not isinstance(event, TokenEvent) or event.index == 0:
-        # The TTL is set by the first event and set again by the finish (finish.lua):
+        # The TTL is set by the first event and set again by the finish, as tick.lua does:
         # refreshing it on every token would cost a third of a tick's commands.
         pipe.expire(stream, EVENTS_TTL_S)
     pipe.publish(keys.channel(event.job_id), data)

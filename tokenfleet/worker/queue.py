@@ -1,10 +1,10 @@
-"""The Redis edge of one worker: read jobs, mark them running, finish or dead-letter
-them, heartbeat, and claim the jobs of workers that died.
+"""The Redis edge of one worker: read jobs, accept them, write each tick (events and
+finishes), dead-letter, heartbeat, and claim the jobs of workers that died.
 
 Ownership is the rule everything here keeps: a jobs-stream entry belongs to the
-consumer it is pending to (`XPENDING`). `finish` and `dead_letter` write only
-while this worker owns the entry, in one Lua script that also acks and deletes
-it, so each job gets exactly one terminal event even when two workers race.
+consumer it is pending to (`XPENDING`). `tick` and `dead_letter` write for a job
+only while this worker owns its entry, in the same Lua script that acks and
+deletes it, so each job gets exactly one terminal event even when two workers race.
 `claim_orphans` moves entries only away from consumers whose heartbeat hash has
 expired (checked in the same script), so a live worker's job is never stolen.
 
@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, overload
+from typing import Any
 
 import redis
 from redis.exceptions import ResponseError
@@ -63,9 +63,8 @@ __all__ = [
 
 ScriptArg = str | bytes | int | float
 
-_OWNED_ENTRY_LUA = lua("owned_entry.lua")  # shared functions, prepended to the next five
+_OWNED_ENTRY_LUA = lua("owned_entry.lua")  # shared functions, prepended to the next four
 TICK_LUA = _OWNED_ENTRY_LUA + lua("tick.lua")
-FINISH_LUA = _OWNED_ENTRY_LUA + lua("finish.lua")
 DEAD_LETTER_LUA = _OWNED_ENTRY_LUA + lua("dead_letter.lua")
 REDELIVER_LUA = _OWNED_ENTRY_LUA + lua("redeliver.lua")
 ACCEPT_LUA = _OWNED_ENTRY_LUA + lua("accept.lua")
@@ -124,7 +123,6 @@ class WorkerQueue:
         self.worker = worker
         self.model = model
         self.stream = keys.jobs(model)
-        self._finish = client.register_script(FINISH_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
         self._redeliver = client.register_script(REDELIVER_LUA)
         self._accept = client.register_script(ACCEPT_LUA)
@@ -296,43 +294,6 @@ class WorkerQueue:
         return None if count is None else int(count)
 
     # --- terminal writes ----------------------------------------------------
-    @overload
-    def finish(
-        self,
-        entry_id: str,
-        job_id: str,
-        result: JobResult,
-        finish: FinishEvent,
-        *,
-        pipe: None = None,
-    ) -> bool: ...
-    @overload
-    def finish(
-        self, entry_id: str, job_id: str, result: JobResult, finish: FinishEvent, *, pipe: Any
-    ) -> None: ...
-    def finish(
-        self,
-        entry_id: str,
-        job_id: str,
-        result: JobResult,
-        finish: FinishEvent,
-        *,
-        pipe: Any = None,
-    ) -> bool | None:
-        """Store the result, send the finish event, ack + delete the entry (finish.lua).
-
-        True when done; False, with nothing written, when this worker no longer owns
-        the entry (another worker claimed it, or it was finished already). Pipelined:
-        returns None and the pipeline's reply for it is 1 or 0."""
-        if result.job_id != job_id or finish.job_id != job_id:
-            raise ValueError(f"result and finish event must both be for job {job_id}")
-        script_keys = [self.stream, *self._terminal_keys(job_id)]
-        args = [*self._common_args(entry_id), *self._terminal_args(result, finish)]
-        if pipe is not None:
-            self._finish(keys=script_keys, args=args, client=pipe)
-            return None
-        return bool(self._finish(keys=script_keys, args=args))
-
     def dead_letter(
         self,
         delivery: Delivery,
@@ -345,8 +306,8 @@ class WorkerQueue:
         """Record the entry in the dead-letter stream and ack + delete it (dead_letter.lua).
 
         Give `finish` and `result` (both, for the job id) when the job id is known:
-        the client then gets them as the job's terminal event. Same ownership rule
-        and reply as `finish` (True done; False not this worker's, nothing written)."""
+        the client then gets them as the job's terminal event. True when done; False,
+        with nothing written, when the entry is not this worker's."""
         if (finish is None) != (result is None):
             raise ValueError("give both finish and result, or neither")
         script_keys = [self.stream, self.keys.dead_letters()]
