@@ -173,6 +173,31 @@ async def run(
     return summarise(direct), summarise(gateway), 1000 * gateway_cpu / tokens
 
 
+def start_gateway(redis_url: str, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """`tokenfleet gateway` (PREFIX, a free port, `extra` flags) as a subprocess: its URL, it."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "import typer; from tokenfleet.gateway.command import gateway;"]
+    cmd[-1] += " typer.run(gateway)"
+    cmd += ["--redis-url", redis_url, "--prefix", PREFIX, "--port", str(port)]
+    cmd += ["--log-level", "warning", *extra]
+    return f"http://127.0.0.1:{port}", subprocess.Popen(cmd)
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine(load_at_start: list[float]) -> dict[str, Any]:
+    """Where a result was measured (written with every result)."""
+    return {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_start": load_at_start,
+        "loadavg_at_end": loadavg(),
+    }
+
+
 def wait_healthy(
     gateway_url: str, proc: subprocess.Popen[bytes], timeout: float = 120, want: int = 1
 ) -> None:
@@ -275,7 +300,7 @@ def fleet_sample(r: redis.Redis, keys: Keys) -> tuple[int, int]:
 def storm(args: argparse.Namespace) -> None:
     n = args.streams
     keys = Keys(PREFIX)
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    load_at_start = loadavg()
     redis_server = EmbeddedRedis.start()
     r = redis.Redis.from_url(redis_server.url)
     Producer(r, keys=keys).set_queue_cap(2 * n)  # every stream's job must fit in the queue
@@ -283,13 +308,7 @@ def storm(args: argparse.Namespace) -> None:
     worker_args += ["--max-batch", "256", "--max-active", "512", "--max-waiting", "64"]
     worker_args += ["--kv-mb", "512"]
     workers = LocalWorkers(redis_server.url, PREFIX, worker_args)
-    port = free_port()
-    gateway_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-c", "import typer; from tokenfleet.gateway.command import gateway;"]
-    cmd[-1] += " typer.run(gateway)"
-    cmd += ["--redis-url", redis_server.url, "--prefix", PREFIX, "--port", str(port)]
-    cmd += ["--log-level", "warning", "--queue-timeout", "900"]
-    gateway_proc = subprocess.Popen(cmd)
+    gateway_url, gateway_proc = start_gateway(redis_server.url, "--queue-timeout", "900")
     samples: list[dict[str, float]] = []
     out = Path(args.out)
     client_out = out.with_suffix(".client.json")
@@ -377,15 +396,8 @@ def storm(args: argparse.Namespace) -> None:
         "active_after": active,
         "kv_settle_s": settle,
         "samples": samples,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_at_start": load_at_start,
-            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_at_start),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     client_out.unlink(missing_ok=True)
     if args.plot:
@@ -466,19 +478,13 @@ def main() -> None:
         return
     args.out = args.out or "bench/out/gateway.json"
     jobs = workload(args.requests)
-    load_at_start = [round(x, 2) for x in os.getloadavg()]
+    load_at_start = loadavg()
 
     redis_server = EmbeddedRedis.start()
     worker_args = ["--model", "tiny-random", "--device", args.device]
     worker_args += ["--threads", str(args.threads), "--max-batch", str(max(32, args.requests))]
     workers = LocalWorkers(redis_server.url, PREFIX, worker_args)
-    port = free_port()
-    gateway_url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-c", "import typer; from tokenfleet.gateway.command import gateway;"]
-    cmd[-1] += " typer.run(gateway)"
-    cmd += ["--redis-url", redis_server.url, "--prefix", PREFIX, "--port", str(port)]
-    cmd += ["--log-level", "warning"]
-    gateway_proc = subprocess.Popen(cmd)
+    gateway_url, gateway_proc = start_gateway(redis_server.url)
     try:
         workers.start(1, name_prefix="bench-gw")
         wait_healthy(gateway_url, gateway_proc)
@@ -502,13 +508,7 @@ def main() -> None:
         "added_ttft_p50_s": gateway["ttft_p50_s"] - direct["ttft_p50_s"],
         "added_ttft_p99_s": gateway["ttft_p99_s"] - direct["ttft_p99_s"],
         "gateway_cpu_ms_per_token": cpu_ms,
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_at_start": load_at_start,
-            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine(load_at_start),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

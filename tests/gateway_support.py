@@ -1,14 +1,23 @@
-"""A gateway for tests: `create_app(config)` served by uvicorn in a background thread."""
+"""Gateway test support: `create_app(config)` served by uvicorn in a background thread,
+a module's fleet on the session's Redis, and the workers' telemetry hashes."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import openai
+import redis
 import uvicorn
+from fleet import Fleet
 from support import free_port, wait_for
 
 from tokenfleet.gateway import GatewayConfig, create_app
+from tokenfleet.keys import Keys
 
 
 class ServedGateway:
@@ -39,3 +48,24 @@ class ServedGateway:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=20)
+
+
+@contextlib.contextmanager
+def fleet_on(url: str, tmp: Path) -> Iterator[tuple[redis.Redis, Fleet]]:
+    """A client of the Redis at `url` (flushed first) and a `Fleet` on it; every worker
+    the caller starts is killed, and the client closed, on the way out."""
+    r = redis.Redis.from_url(url)
+    r.flushall()
+    fleet = Fleet(url, tmp)
+    try:
+        yield r, fleet
+    finally:
+        fleet.stop_all()
+        r.close()
+
+
+def worker_info(r: redis.Redis, name: str, keys: Keys | None = None) -> dict[str, Any]:
+    """Worker `name`'s telemetry hash, decoded (like `Fleet.info`, but on any prefix and
+    client)."""
+    raw = r.hgetall((keys or Keys()).worker(name))
+    return {k.decode(): json.loads(v) for k, v in raw.items()}

@@ -21,7 +21,7 @@ import openai
 import pytest
 import redis
 from fleet import Fleet
-from gateway_support import ServedGateway
+from gateway_support import ServedGateway, fleet_on, worker_info
 from support import RedisServer, wait_for
 
 from tokenfleet.gateway import GatewayConfig
@@ -80,34 +80,24 @@ class Env:
 
 @pytest.fixture(scope="module")
 def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    r = redis.Redis.from_url(redis_server.url)
-    r.flushall()
     tmp = tmp_path_factory.mktemp("gateway")
-    fleet = Fleet(redis_server.url, tmp)
-    main = fleet.start("gw-main", burst=False)
-    plain = plain_checkpoint(tmp / "plain")
-    small = fleet.start(
-        "gw-plain", "--model", str(plain), "--model-name", "plain", "--kv-mb", "1", burst=False
-    )
-    gateway = None
-    try:
+    with fleet_on(redis_server.url, tmp) as (r, fleet):
+        main = fleet.start("gw-main", burst=False)
+        plain = plain_checkpoint(tmp / "plain")
+        small = fleet.start(
+            "gw-plain", "--model", str(plain), "--model-name", "plain", "--kv-mb", "1", burst=False
+        )
         fleet.wait_alive(main)
         fleet.wait_alive(small)
         gateway = ServedGateway(GatewayConfig(redis_url=redis_server.url, fleet_cache_s=0.0))
-        yield Env(r, gateway, fleet)
-    finally:
-        if gateway is not None:
+        try:
+            yield Env(r, gateway, fleet)
+        finally:
             gateway.stop()
-        fleet.stop_all()
-        r.close()
 
 
 def metrics_of(gateway: ServedGateway) -> str:
     return httpx.get(f"{gateway.url}/metrics", timeout=30).text
-
-
-def worker_hash(r: redis.Redis, name: str) -> dict[str, object]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(KEYS.worker(name)).items()}
 
 
 # ---- the OpenAI client ------------------------------------------------------------
@@ -160,7 +150,7 @@ def test_models_routing_and_chat_without_a_template(env: Env) -> None:
     client = env.gateway.client()
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {"default", "plain"}
-    plain = worker_hash(env.r, "gw-plain")
+    plain = worker_info(env.r, "gw-plain")
     assert cards["plain"].model_extra is not None
     assert cards["plain"].model_extra["max_job_tokens"] == plain["max_job_tokens"]
 
@@ -181,7 +171,7 @@ def test_models_routing_and_chat_without_a_template(env: Env) -> None:
 
 def test_jobs_no_worker_could_hold_are_400(env: Env) -> None:
     client = env.gateway.client()
-    capacity = worker_hash(env.r, "gw-plain")["max_job_tokens"]
+    capacity = worker_info(env.r, "gw-plain")["max_job_tokens"]
     assert isinstance(capacity, int)
     # max_tokens alone is too big for every live worker of the model: the gateway says so
     with pytest.raises(openai.BadRequestError) as too_many:
@@ -261,7 +251,7 @@ def test_client_disconnect_cancels_the_job_and_frees_the_kv(env: Env) -> None:
     wait_for(finished_cancelled, 30, "the job to finish as cancelled")
 
     def kv_free() -> bool:
-        info = worker_hash(env.r, "gw-main")
+        info = worker_info(env.r, "gw-main")
         return info["active"] == 0 and info["kv_used_bytes"] == 0
 
     wait_for(kv_free, 30, "gw-main to report no active session and no KV in use")

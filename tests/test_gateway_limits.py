@@ -21,11 +21,12 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aredis
-from fleet import Fleet, WorkerProcess
-from gateway_support import ServedGateway
-from support import RedisServer, free_port, wait_for
+from fleet import Fleet
+from gateway_support import ServedGateway, fleet_on, worker_info
+from support import RedisServer, wait_for
 
 from tokenfleet.gateway import GatewayConfig
+from tokenfleet.gateway.app import CLIENT_NAME
 from tokenfleet.gateway.subscriber import PUBSUB_CLIENT_NAME
 from tokenfleet.keys import Keys
 from tokenfleet.protocol import decode_result
@@ -38,33 +39,16 @@ class Env:
     url: str
     r: redis.Redis
     fleet: Fleet
-    worker: WorkerProcess
-    tmp: Path
 
 
 @pytest.fixture(scope="module")
 def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    r = redis.Redis.from_url(redis_server.url)
-    r.flushall()
-    tmp = tmp_path_factory.mktemp("gateway-limits")
-    fleet = Fleet(redis_server.url, tmp)
-    worker = fleet.start(
-        "lim-w", "--max-batch", "64", "--max-active", "128", "--max-waiting", "64", burst=False
-    )
-    try:
+    with fleet_on(redis_server.url, tmp_path_factory.mktemp("gateway-limits")) as (r, fleet):
+        worker = fleet.start(
+            "lim-w", "--max-batch", "64", "--max-active", "128", "--max-waiting", "64", burst=False
+        )
         fleet.wait_alive(worker)
-        yield Env(redis_server.url, r, fleet, worker, tmp)
-    finally:
-        fleet.stop_all()
-        r.close()
-
-
-def worker_info(r: redis.Redis, keys: Keys, name: str) -> dict[str, Any]:
-    return {k.decode(): json.loads(v) for k, v in r.hgetall(keys.worker(name)).items()}
-
-
-def pubsub_clients(r: redis.Redis) -> int:
-    return sum(c.get("name") == PUBSUB_CLIENT_NAME for c in r.client_list(_type="pubsub"))
+        yield Env(redis_server.url, r, fleet)
 
 
 def sse_data(lines: list[str]) -> list[Any]:
@@ -127,7 +111,7 @@ def test_200_streams_share_two_pubsub_connections_and_a_small_pool(env: Env) -> 
             while not stop.is_set():
                 clients = await client.client_list()
                 seen_pubsub.append(sum(c.get("name") == PUBSUB_CLIENT_NAME for c in clients))
-                seen_commands.append(sum(c.get("name") == "tokenfleet-gateway" for c in clients))
+                seen_commands.append(sum(c.get("name") == CLIENT_NAME for c in clients))
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), 0.05)
         finally:
@@ -201,7 +185,7 @@ def test_clients_leaving_mid_stream_have_their_jobs_cancelled_and_kv_freed(env: 
         wait_for(all_cancelled, 60, "every abandoned job to finish as cancelled")
 
         def kv_free() -> bool:
-            info = worker_info(env.r, KEYS, "lim-w")
+            info = worker_info(env.r, "lim-w")
             return info["active"] == 0 and info["kv_used_bytes"] == 0
 
         wait_for(kv_free, 30, "lim-w to report no active session and no KV in use")
@@ -254,12 +238,12 @@ def test_no_worker_is_503_with_retry_after_and_the_job_never_runs(env: Env) -> N
         assert result.usage.completion_tokens == 0
 
     def counted() -> dict[str, Any]:
-        info = worker_info(env.r, keys, worker.name)
+        info = worker_info(env.r, worker.name, keys)
         done = sum(info.get("finished_by_reason", {}).values()) >= 2
         return info if done else {}
 
     wait_for(counted, 30, "the late worker's telemetry to count both jobs")
-    assert worker_info(env.r, keys, worker.name)["prefill_tokens_total"] == 0
+    assert worker_info(env.r, worker.name, keys)["prefill_tokens_total"] == 0
     worker.kill()
 
 
@@ -297,12 +281,9 @@ def test_oversized_bodies_are_413_before_being_read(env: Env) -> None:
     limit = 64 * 1024
     gateway = ServedGateway(GatewayConfig(redis_url=env.url, max_body_bytes=limit))
     big = json.dumps({"model": "default", "prompt": "x" * (4 * limit)}).encode()
-    sent = 0
 
     def chunked() -> Iterator[bytes]:
-        nonlocal sent
         for start in range(0, len(big), 8192):
-            sent += 8192
             yield big[start : start + 8192]
 
     try:
@@ -328,9 +309,8 @@ def test_oversized_bodies_are_413_before_being_read(env: Env) -> None:
 
 
 @pytest.mark.fault
-def test_a_stream_survives_a_redis_restart(tmp_path: Path) -> None:
-    server = RedisServer(port=free_port(), dir=tmp_path, appendonly=True)
-    server.start()
+def test_a_stream_survives_a_redis_restart(aof_redis: RedisServer, tmp_path: Path) -> None:
+    server = aof_redis
     fleet = Fleet(server.url, tmp_path)
     gateway = None
     try:
@@ -357,20 +337,17 @@ def test_a_stream_survives_a_redis_restart(tmp_path: Path) -> None:
         if gateway is not None:
             gateway.stop()
         fleet.stop_all()
-    try:
-        data = sse_data(lines)
-        assert data[-1] == "[DONE]"
-        assert not any("error" in chunk for chunk in data[:-1]), data
-        assert data[-2]["usage"]["completion_tokens"] == 600
-        text = "".join(chunk["choices"][0]["text"] for chunk in data[:-1] if chunk["choices"])
-        r = redis.Redis.from_url(server.url)
-        stored = decode_result(r.get(Keys().result(job_id)) or b"")
-        r.close()
-        assert stored.usage.completion_tokens == 600
-        assert text == stored.text  # every token once, in order, across the restart
-        reconnects = [
-            line for line in metrics.splitlines() if line.startswith("tokenfleet_gateway_pubsub_re")
-        ]
-        assert reconnects and float(reconnects[0].split()[-1]) >= 1, reconnects
-    finally:
-        server.stop()
+    data = sse_data(lines)
+    assert data[-1] == "[DONE]"
+    assert not any("error" in chunk for chunk in data[:-1]), data
+    assert data[-2]["usage"]["completion_tokens"] == 600
+    text = "".join(chunk["choices"][0]["text"] for chunk in data[:-1] if chunk["choices"])
+    r = redis.Redis.from_url(server.url)
+    stored = decode_result(r.get(KEYS.result(job_id)) or b"")
+    r.close()
+    assert stored.usage.completion_tokens == 600
+    assert text == stored.text  # every token once, in order, across the restart
+    reconnects = [
+        line for line in metrics.splitlines() if line.startswith("tokenfleet_gateway_pubsub_re")
+    ]
+    assert reconnects and float(reconnects[0].split()[-1]) >= 1, reconnects

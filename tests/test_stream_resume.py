@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,13 +22,13 @@ from fleet import Fleet, WorkerProcess
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from support import RedisServer, free_port, wait_for
+from support import RedisServer, wait_for
 
 from tokenfleet.errors import JobLost, JobTimeout
 from tokenfleet.keys import Keys
 from tokenfleet.producer import AsyncJobHandle, AsyncProducer, JobHandle, Producer
-from tokenfleet.producer.common import STREAM_IDLE_TIMEOUT_S
-from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent, decode_result
+from tokenfleet.producer.common import STREAM_IDLE_TIMEOUT_S, JobFollower
+from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent, decode_result, encode
 from tokenfleet.reasons import FinishReason
 
 pytestmark = pytest.mark.fault
@@ -45,26 +45,6 @@ def long_job(job_id: str) -> GenerationRequest:
         ignore_eos=True,
         sampling={"temperature": 0.8, "top_k": 50, "seed": 7},
     )
-
-
-def own_redis(tmp_path: Path, *, appendonly: bool) -> Iterator[RedisServer]:
-    server = RedisServer(port=free_port(), dir=tmp_path / "own-redis", appendonly=appendonly)
-    server.dir.mkdir()
-    server.start()
-    yield server
-    server.stop(kill=True)
-
-
-@pytest.fixture
-def aof_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server with appendonly on: a restart keeps every job's state."""
-    yield from own_redis(tmp_path, appendonly=True)
-
-
-@pytest.fixture
-def bare_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A redis-server without persistence: a restart forgets everything."""
-    yield from own_redis(tmp_path, appendonly=False)
 
 
 @pytest.fixture
@@ -197,10 +177,10 @@ def test_result_waits_across_a_redis_restart(
 
 @pytest.mark.timeout(90)
 def test_stream_and_result_raise_job_lost_after_a_restart_without_persistence(
-    bare_redis: RedisServer, tmp_path: Path
+    own_redis: RedisServer, tmp_path: Path
 ) -> None:
-    fleet = Fleet(bare_redis.url, tmp_path)
-    client = redis.Redis.from_url(bare_redis.url)
+    fleet = Fleet(own_redis.url, tmp_path)
+    client = redis.Redis.from_url(own_redis.url)
     try:
         worker = fleet.start("lost-w", burst=False)
         fleet.wait_alive(worker)
@@ -208,10 +188,9 @@ def test_stream_and_result_raise_job_lost_after_a_restart_without_persistence(
         handle = producer.submit(long_job("lost"))
         outcomes: dict[str, BaseException | None] = {}
 
-        def run(name: str, action: object) -> threading.Thread:
+        def run(name: str, action: Callable[[], object]) -> threading.Thread:
             def body() -> None:
                 try:
-                    assert callable(action)
                     action()
                     outcomes[name] = None
                 except BaseException as exc:
@@ -226,7 +205,7 @@ def test_stream_and_result_raise_job_lost_after_a_restart_without_persistence(
             run("stream", lambda: list(handle.stream(timeout=None))),
             run("result", lambda: producer.handle(handle.id).result(timeout=None)),
         ]
-        restart_mid_job(bare_redis, worker, client, handle.id)
+        restart_mid_job(own_redis, worker, client, handle.id)
         for thread in threads:
             thread.join()
         assert isinstance(outcomes["stream"], JobLost), outcomes
@@ -240,19 +219,19 @@ def test_stream_and_result_raise_job_lost_after_a_restart_without_persistence(
 
 @pytest.mark.timeout(60)
 def test_a_queued_job_is_waiting_not_lost_until_a_restart_forgets_it(
-    bare_redis: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
     """No worker: the job hash says queued and the replay stream is empty. That is a job
     waiting (the stream times out, it is not lost); after a restart without persistence
     the same wait ends with JobLost, sync and async."""
-    client = redis.Redis.from_url(bare_redis.url)
+    client = redis.Redis.from_url(own_redis.url)
     try:
         handle = Producer(client).submit(prompt="nobody serves this", job_id="queued")
         with pytest.raises(JobTimeout):
             list(handle.stream(timeout=1.5))  # over STATE_CHECK_S: the state was checked
 
         async def main() -> BaseException | None:
-            producer = AsyncProducer.from_url(bare_redis.url)
+            producer = AsyncProducer.from_url(own_redis.url)
             try:
                 ahandle = producer.handle("queued")
                 follow = asyncio.create_task(_drain(ahandle))
@@ -263,7 +242,7 @@ def test_a_queued_job_is_waiting_not_lost_until_a_restart_forgets_it(
                     10,
                     "the async stream to subscribe",
                 )
-                await asyncio.to_thread(bare_redis.restart)
+                await asyncio.to_thread(own_redis.restart)
                 try:
                     await asyncio.wait_for(follow, 30)
                 except BaseException as exc:
@@ -287,14 +266,14 @@ async def _drain(handle: AsyncJobHandle) -> None:
 
 
 def test_stream_has_a_finite_default_idle_timeout_and_raises_job_timeout(
-    bare_redis: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
     """300 s of silence by default (None, passed explicitly, waits forever); a job no
     worker serves ends with JobTimeout once the silence passes the given timeout."""
     for stream in (JobHandle.stream, AsyncJobHandle.stream):
         assert inspect.signature(stream).parameters["timeout"].default == STREAM_IDLE_TIMEOUT_S
     assert STREAM_IDLE_TIMEOUT_S == 300.0
-    client = redis.Redis.from_url(bare_redis.url)
+    client = redis.Redis.from_url(own_redis.url)
     try:
         handle = Producer(client).submit(prompt="nobody serves this")
         with pytest.raises(JobTimeout) as caught:
@@ -302,7 +281,7 @@ def test_stream_has_a_finite_default_idle_timeout_and_raises_job_timeout(
         assert caught.value.job_id == handle.id and caught.value.timeout == 0.3
 
         async def main() -> None:
-            producer = AsyncProducer.from_url(bare_redis.url)
+            producer = AsyncProducer.from_url(own_redis.url)
             try:
                 with pytest.raises(JobTimeout):
                     async for _event in producer.handle(handle.id).stream(timeout=0.3):
@@ -316,14 +295,14 @@ def test_stream_has_a_finite_default_idle_timeout_and_raises_job_timeout(
 
 
 @pytest.mark.timeout(10)
-def test_a_refused_password_is_raised_at_once_not_retried(bare_redis: RedisServer) -> None:
+def test_a_refused_password_is_raised_at_once_not_retried(own_redis: RedisServer) -> None:
     """redis-py makes AuthenticationError a ConnectionError; it must not be retried."""
-    admin = redis.Redis.from_url(bare_redis.url)
+    admin = redis.Redis.from_url(own_redis.url)
     try:
         handle = Producer(admin).submit(prompt="x", job_id="auth")
         admin.config_set("requirepass", "secret")  # this connection stays authenticated
         # redis-py's own retries (which retry even this, ~4 s each) off: what is left is ours.
-        wrong = redis.Redis(port=bare_redis.port, password="wrong", retry=Retry(NoBackoff(), 0))
+        wrong = redis.Redis(port=own_redis.port, password="wrong", retry=Retry(NoBackoff(), 0))
         with pytest.raises(redis.AuthenticationError):
             next(Producer(wrong).handle(handle.id).stream(timeout=None))
         with pytest.raises(redis.AuthenticationError):
@@ -332,7 +311,7 @@ def test_a_refused_password_is_raised_at_once_not_retried(bare_redis: RedisServe
         async def main() -> None:
             no_retry = AsyncRetry(NoBackoff(), 0)
             producer = AsyncProducer(
-                aredis.Redis(port=bare_redis.port, password="wrong", retry=no_retry)
+                aredis.Redis(port=own_redis.port, password="wrong", retry=no_retry)
             )
             try:
                 with pytest.raises(redis.AuthenticationError):
@@ -350,11 +329,11 @@ def test_a_refused_password_is_raised_at_once_not_retried(bare_redis: RedisServe
 
 @pytest.mark.timeout(30)
 def test_following_gives_up_with_the_connection_error_when_redis_stays_down(
-    bare_redis: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
     """Reconnecting is bounded by the call's timeout: then the last ConnectionError is
     raised, with a note saying the client gave up."""
-    client = redis.Redis.from_url(bare_redis.url)
+    client = redis.Redis.from_url(own_redis.url)
     handle = Producer(client).submit(prompt="nobody serves this", job_id="down")
     stream = handle.stream(timeout=1.0)
     outcomes: list[BaseException] = []
@@ -365,7 +344,7 @@ def test_following_gives_up_with_the_connection_error_when_redis_stays_down(
         except BaseException as exc:
             outcomes.append(exc)
 
-    bare_redis.stop()
+    own_redis.stop()
     waiter = threading.Thread(target=wait)
     waiter.start()
     with pytest.raises(redis.ConnectionError) as caught:
@@ -380,9 +359,6 @@ def test_following_gives_up_with_the_connection_error_when_redis_stays_down(
 def test_a_follower_started_before_the_submit_is_not_told_the_job_is_lost() -> None:
     """Subscribe first, submit second (to miss nothing): a state check that ran before
     the submit must not turn into JobLost once the job's events arrive."""
-    from tokenfleet.producer.common import JobFollower
-    from tokenfleet.protocol import TokenEvent, encode
-
     now = time.monotonic()
     follow = JobFollower("early", timeout=5)
     follow.absorb([[], 0], replay=True, check=True, now=now)  # not submitted yet

@@ -34,3 +34,8 @@ class AdmissionReason(StrEnum):
     @property
     def accepted(self) -> bool:
         return self in (AdmissionReason.ADMITTED, AdmissionReason.QUEUED)
+
+
+# `error.reason` of a job that ended as `deadline` because no worker had started it by
+# its `queue_deadline` (no prefill was spent on it).
+QUEUE_DEADLINE_REASON = "queue_deadline"

@@ -14,7 +14,6 @@ import os
 from typing import Annotated, Any
 
 import typer
-from pydantic import ValidationError
 
 API_KEYS_ENV = "TOKENFLEET_API_KEYS"
 
@@ -140,7 +139,7 @@ def gateway(
             job_timeout_s=job_timeout,
             **overrides,
         )
-    except (ValueError, ValidationError) as exc:
+    except ValueError as exc:  # pydantic's ValidationError (bad $TOKENFLEET_*) is one too
         raise fail(str(exc)) from None
     auth = f"{len(keys)} API key(s)" if keys else "no auth"
     typer.echo(f"tokenfleet gateway on http://{host}:{port} ({auth}; fleet prefix {config.prefix})")

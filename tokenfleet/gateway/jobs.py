@@ -184,26 +184,11 @@ class JobEvents:
         `JobLost`, and Redis's error once it has been unreachable for `outage_s`."""
         until = None if timeout is None else time.monotonic() + timeout
         while not self._ready:
-            if self._queue.empty():
-                wake = self._poll_at
-                if until is not None:
-                    wake = min(wake, until)
-                if self._queue_by is not None and not self.started:
-                    wake = min(wake, self._queue_by)
-                try:
-                    async with asyncio.timeout(max(0.0, wake - time.monotonic())):
-                        item = await self._queue.get()
-                except TimeoutError:
-                    now = time.monotonic()
-                    if self._queue_by is not None and not self.started and now >= self._queue_by:
-                        await self._check_started()
-                    if now >= self._poll_at:
-                        await self._replay()
-                    if not self._ready and until is not None and now >= until:
-                        return None
-                    continue
-            else:
-                item = self._queue.get_nowait()
+            item = self._queue.get_nowait() if not self._queue.empty() else await self._wait(until)
+            if item is None:  # a timer is due
+                if await self._run_timers(until):
+                    return None
+                continue
             if isinstance(item, bytes):
                 self._asm.feed_raw(item)
                 self.started = True
@@ -220,20 +205,43 @@ class JobEvents:
             self.finish = event
         return event
 
+    async def _wait(self, until: float | None) -> bytes | Resync | _Gone | None:
+        """The next queued item, or None once the first timer is due: the caller's
+        `until`, the replay poll, the queue timeout (while no worker started the job)."""
+        wake = self._poll_at
+        if until is not None:
+            wake = min(wake, until)
+        if self._queue_by is not None and not self.started:
+            wake = min(wake, self._queue_by)
+        try:
+            async with asyncio.timeout(max(0.0, wake - time.monotonic())):
+                return await self._queue.get()
+        except TimeoutError:
+            return None
+
+    async def _run_timers(self, until: float | None) -> bool:
+        """What is due now: the queue-timeout check, the replay poll. True: `until`
+        passed with nothing ready."""
+        now = time.monotonic()
+        if self._queue_by is not None and not self.started and now >= self._queue_by:
+            await self._check_started()
+        if now >= self._poll_at:
+            await self._replay()
+        return not self._ready and until is not None and now >= until
+
     async def _replay(self) -> None:
         """Everything in the replay stream after the last entry read (XRANGE, exclusive)."""
         asm = self._asm
-        start = "-" if asm.last_stream_id == "-" else f"({asm.last_stream_id}"
         try:
-            entries = await self._redis.xrange(self._keys.events(self.handle.id), start, "+")
+            entries = await self._redis.xrange(
+                self._keys.events(self.handle.id), asm.replay_start(), "+"
+            )
         except RedisError as exc:
             self._outage(exc)
             return
         self._outage_since = None
         self._poll_at = time.monotonic() + REPLAY_POLL_S
-        for entry_id, fields in entries:
-            asm.last_stream_id = entry_id.decode()
-            asm.feed_raw(fields[b"m"])
+        if asm.feed_entries(entries):
             self.started = True
         self._ready.extend(asm.ready())
 

@@ -55,13 +55,6 @@ from tokenfleet.gateway.render import DONE, KEEPALIVE, Renderer
 from tokenfleet.gateway.subscriber import Subscriber
 from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_PREFIX, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.producer import AsyncProducer
-from tokenfleet.producer.common import (
-    SUBMIT_LUA,
-    check_fleet_fits,
-    encode_request,
-    parse_submit_reply,
-    submit_call,
-)
 from tokenfleet.protocol import (
     MAX_NEW_TOKENS,
     MODEL_NAME_PATTERN,
@@ -69,13 +62,11 @@ from tokenfleet.protocol import (
     GenerationRequest,
     TokenEvent,
 )
-from tokenfleet.reasons import FinishReason
+from tokenfleet.reasons import QUEUE_DEADLINE_REASON, FinishReason
 
 Kind = Literal["completions", "chat"]
 log = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
-QUEUE_DEADLINE = "queue_deadline"  # a worker's error reason: it found the job past its
-# queue_deadline, still unstarted (finish reason `deadline`, no token)
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -150,7 +141,6 @@ class Gateway:
         self.redis = client
         self.keys = Keys(config.prefix)
         self.producer = AsyncProducer(client, keys=self.keys, default_cap=config.queue_cap)
-        self._script = client.register_script(SUBMIT_LUA)
         self.fleet = FleetReader(client, self.keys, config.fleet_cache_s)
         self.metrics = metrics
         self.subscriber = subscriber
@@ -227,14 +217,16 @@ class Gateway:
             headers={"Retry-After": str(max(1, self.config.retry_after_s))},
         )
 
-    def _failure(self, finish: FinishEvent, model: str) -> ApiError | None:
-        """The HTTP error a job's end before any token means, or None when it is an answer."""
+    def _failure(self, finish: FinishEvent, model: str, *, tokens_seen: bool) -> ApiError | None:
+        """The HTTP error a job's end means, or None when it is an answer (a queue deadline
+        is a queue timeout only when no token came before it)."""
         if finish.reason in _FAILED:
             return from_finish(finish, self.config.retry_after_s)
         if (
-            finish.reason == FinishReason.DEADLINE
+            not tokens_seen
+            and finish.reason == FinishReason.DEADLINE
             and finish.error is not None
-            and finish.error.reason == QUEUE_DEADLINE
+            and finish.error.reason == QUEUE_DEADLINE_REASON
             and finish.usage.completion_tokens == 0
             and self.config.queue_timeout_s is not None
         ):
@@ -316,13 +308,11 @@ class Gateway:
             raise from_validation(exc) from None
 
     async def _submit(self, job: GenerationRequest, model: str, served: ServedModel | None) -> None:
-        """`AsyncProducer.submit`, with the fleet's capacity from the gateway's own
-        (shared, cached) fleet view: one EVALSHA per request and nothing else."""
+        """Submit with the fleet's capacity from the gateway's own (shared, cached) fleet
+        view: one EVALSHA per request and nothing else."""
         try:
-            check_fleet_fits(job, served.max_job_tokens if served is not None else None)
-            payload = encode_request(job)
-            script_keys, args = submit_call(self.keys, job, payload, self.config.queue_cap)
-            parse_submit_reply(self.keys, job, await self._script(keys=script_keys, args=args))
+            capacity = served.max_job_tokens if served is not None else None
+            await self.producer.submit(job, capacity=capacity)
         except QueueFull as exc:
             self.metrics.queue_full.labels(model).inc()
             raise ApiError(
@@ -348,9 +338,7 @@ class Gateway:
                 break
             tally.token(streamed=False)
             parts.append(event.text)
-        failure = self._failure(event, tally.model) if not parts else None
-        if failure is None and event.reason in _FAILED:
-            failure = from_finish(event, self.config.retry_after_s)
+        failure = self._failure(event, tally.model, tokens_seen=bool(parts))
         if failure is not None:
             raise failure
         return "".join(parts)
@@ -390,9 +378,7 @@ class Gateway:
                 if event.text or head:
                     yield head + (out.delta(event.text) if event.text else b"")
                 continue
-            failure = None if opened else self._failure(event, tally.model)
-            if failure is None and event.reason in _FAILED:
-                failure = from_finish(event, self.config.retry_after_s)
+            failure = self._failure(event, tally.model, tokens_seen=opened)
             if failure is not None:
                 yield failure.sse() + DONE
             else:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
+from types import EllipsisType
 from typing import Any
 
 import redis.asyncio as aredis
@@ -76,10 +77,19 @@ class AsyncProducer:
         return cls(aredis.Redis.from_url(url), keys=keys, **kwargs)
 
     async def submit(
-        self, request: GenerationRequest | None = None, /, **fields: Any
+        self,
+        request: GenerationRequest | None = None,
+        /,
+        *,
+        capacity: int | EllipsisType | None = ...,
+        **fields: Any,
     ) -> AsyncJobHandle:
+        """`Producer.submit` on asyncio. `capacity`: the largest job a live worker holds,
+        when the caller already knows it (a gateway's shared fleet view; None: no live
+        worker advertises one); by default it is read from the fleet, cached ~1 s."""
         req = build_request(request, fields)
-        check_fleet_fits(req, await self.capacity(req.model))
+        known = await self.capacity(req.model) if capacity is ... else capacity
+        check_fleet_fits(req, known)
         script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
         reply = await self._submit(keys=script_keys, args=args)
         return self._handle(parse_submit_reply(self.keys, req, reply))
@@ -154,11 +164,7 @@ class AsyncJobHandle:
                     if not events:
                         follow.raise_if_over(time.monotonic())
                         message = await pubsub.get_message(timeout=REPLAY_POLL_S)
-                        live = message is not None and message["type"] == "message"
-                        if live:
-                            follow.feed_live(message["data"])
-                        replay = not live or follow.gap
-                        check = follow.check_due(time.monotonic())
+                        replay, check = follow.after_wait(message, time.monotonic())
                         if replay or check:
                             await self._sync(follow, replay=replay, check=check)
                         continue
@@ -177,12 +183,8 @@ class AsyncJobHandle:
             await _close_quietly(pubsub)
 
     async def _sync(self, follow: JobFollower, *, replay: bool, check: bool) -> None:
-        keys = self.producer.keys
         pipe = self.producer.redis.pipeline(transaction=False)
-        if replay:
-            pipe.xrange(keys.events(self.id), follow.replay_start(), "+")
-        if check:
-            pipe.exists(keys.job(self.id), keys.result(self.id))
+        follow.queue_sync(pipe, self.producer.keys, replay=replay, check=check)
         follow.absorb(await pipe.execute(), replay=replay, check=check, now=time.monotonic())
 
     async def result(self, timeout: float | None = None) -> JobResult:
@@ -198,8 +200,7 @@ class AsyncJobHandle:
                         pubsub = client.pubsub(ignore_subscribe_messages=True)
                         await pubsub.subscribe(keys.channel(self.id))
                     pipe = client.pipeline(transaction=False)
-                    pipe.get(keys.result(self.id))
-                    pipe.exists(keys.job(self.id))
+                    wait.queue_look(pipe, keys)
                     result = wait.absorb(*await pipe.execute())
                     if result is not None:
                         return result

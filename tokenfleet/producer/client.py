@@ -207,11 +207,7 @@ class JobHandle:
                     if not events:
                         follow.raise_if_over(time.monotonic())
                         message = pubsub.get_message(timeout=REPLAY_POLL_S)
-                        live = message is not None and message["type"] == "message"
-                        if live:
-                            follow.feed_live(message["data"])
-                        replay = not live or follow.gap
-                        check = follow.check_due(time.monotonic())
+                        replay, check = follow.after_wait(message, time.monotonic())
                         if replay or check:
                             self._sync(follow, replay=replay, check=check)
                         continue
@@ -232,12 +228,8 @@ class JobHandle:
     def _sync(self, follow: JobFollower, *, replay: bool, check: bool) -> None:
         """One round trip: the replay stream from the last entry read, and/or whether the
         job's hash or result still exists."""
-        keys = self.producer.keys
         pipe = self._redis.pipeline(transaction=False)
-        if replay:
-            pipe.xrange(keys.events(self.id), follow.replay_start(), "+")
-        if check:
-            pipe.exists(keys.job(self.id), keys.result(self.id))
+        follow.queue_sync(pipe, self.producer.keys, replay=replay, check=check)
         follow.absorb(pipe.execute(), replay=replay, check=check, now=time.monotonic())
 
     def result(self, timeout: float | None = None) -> JobResult:
@@ -256,8 +248,7 @@ class JobHandle:
                         pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
                         pubsub.subscribe(keys.channel(self.id))
                     pipe = self._redis.pipeline(transaction=False)
-                    pipe.get(keys.result(self.id))
-                    pipe.exists(keys.job(self.id))
+                    wait.queue_look(pipe, keys)
                     result = wait.absorb(*pipe.execute())
                     if result is not None:
                         return result

@@ -170,6 +170,19 @@ class EventAssembler:
     def feed_raw(self, data: bytes) -> None:
         self.feed(decode_event(data))
 
+    def replay_start(self) -> str:
+        """XRANGE's start on the replay stream: everything, or what follows the last
+        entry read (exclusive)."""
+        return "-" if self.last_stream_id == "-" else f"({self.last_stream_id}"
+
+    def feed_entries(self, entries: list[Any]) -> bool:
+        """Feed an XRANGE reply of the replay stream (from `replay_start()`), remembering
+        the last entry read; True when it held any entry."""
+        for entry_id, fields in entries:
+            self.last_stream_id = _text(entry_id)
+            self.feed_raw(fields[b"m"])
+        return bool(entries)
+
     def ready(self) -> list[TokenEvent | FinishEvent]:
         out: list[TokenEvent | FinishEvent] = []
         while self.next_index in self.pending:
@@ -293,10 +306,11 @@ class JobFollower:
     """`stream()`'s rules, without the I/O.
 
     On every (re)connect the loop subscribes to the live channel, then makes one
-    `sync` round trip with a replay and a state check, then calls `connected`. After
-    that: hand out `ready()`; when nothing is ready, `raise_if_over()`, wait up to
-    REPLAY_POLL_S for a live message (`feed_live`), and sync again, replaying when no
-    message came or `gap` says one was missed, checking the state when `check_due`.
+    sync round trip (`queue_sync` on a pipeline, `absorb` its replies) with a replay
+    and a state check, then calls `connected`. After that: hand out `ready()`; when
+    nothing is ready, `raise_if_over()`, wait up to REPLAY_POLL_S for a live message,
+    hand it to `after_wait` and sync again when it says to (a replay when no message
+    came or one was missed, a state check when one is due).
     On a transient error: drop the subscription, sleep `disconnected()` seconds, and
     start over at subscribe; the assembler keeps the last replay entry read and the
     next index, so the caller sees every token once.
@@ -310,36 +324,32 @@ class JobFollower:
     timeout: float | None
     known: bool = False  # the job was seen to exist: a missing state then means JobLost
     asm: EventAssembler = field(default_factory=EventAssembler)
-    reconnect: Reconnect = field(default_factory=Reconnect)
+    reconnect: Reconnect = field(init=False)  # one outage may last `timeout`
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = -math.inf
     state_missing: bool = False  # the last check found neither job hash nor result
     started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.reconnect.limit_s = self.timeout
-
-    @property
-    def gap(self) -> bool:
-        return self.asm.gap
-
-    def replay_start(self) -> str:
-        """XRANGE's start: everything, or what follows the last entry read."""
-        last = self.asm.last_stream_id
-        return "-" if last == "-" else f"({last}"
+        self.reconnect = Reconnect(limit_s=self.timeout)
 
     def check_due(self, now: float) -> bool:
         return now - self.last_check >= STATE_CHECK_S
 
+    def queue_sync(self, pipe: Any, keys: Keys, *, replay: bool, check: bool) -> None:
+        """Queue one sync's commands on a (sync or async) pipeline, in the order `absorb`
+        reads their replies."""
+        if replay:
+            pipe.xrange(keys.events(self.job_id), self.asm.replay_start(), "+")
+        if check:
+            pipe.exists(keys.job(self.job_id), keys.result(self.job_id))
+
     def absorb(self, replies: list[Any], *, replay: bool, check: bool, now: float) -> None:
         """One sync round trip's replies, in order: XRANGE of the replay stream from
-        `replay_start()` (when `replay`), EXISTS job hash + result (when `check`)."""
-        if replay:
-            for entry_id, fields in replies[0]:
-                self.asm.last_stream_id = _text(entry_id)
-                self.asm.feed_raw(fields[b"m"])
-                self.known = True
-                self.state_missing = False  # events prove it exists (checked again soon)
+        the last entry read (when `replay`), EXISTS job hash + result (when `check`)."""
+        if replay and self.asm.feed_entries(replies[0]):
+            self.known = True
+            self.state_missing = False  # events prove it exists (checked again soon)
         if check:
             found = int(replies[-1])
             self.last_check = now
@@ -350,6 +360,17 @@ class JobFollower:
         self.asm.feed_raw(data)
         self.known = True
         self.state_missing = False
+
+    def after_wait(self, message: dict[str, Any] | None, now: float) -> tuple[bool, bool]:
+        """Take what one wait on the live channel brought (None: REPLAY_POLL_S passed in
+        silence) and say what the next sync does, (replay, check): replay when nothing
+        live came or a gap shows something was missed, check when one is due."""
+        if message is not None and message["type"] == "message":
+            self.feed_live(message["data"])
+            replay = self.asm.gap
+        else:
+            replay = True
+        return replay, self.check_due(now)
 
     def ready(self, now: float) -> list[TokenEvent | FinishEvent]:
         events = self.asm.ready()
@@ -392,11 +413,17 @@ class ResultWait:
     job_id: str
     timeout: float | None
     known: bool = False
-    reconnect: Reconnect = field(default_factory=Reconnect)
+    reconnect: Reconnect = field(init=False)  # its deadline is the whole wait's
 
     def __post_init__(self) -> None:
-        if self.timeout is not None:
-            self.reconnect.deadline = time.monotonic() + self.timeout
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        self.reconnect = Reconnect(deadline=deadline)
+
+    def queue_look(self, pipe: Any, keys: Keys) -> None:
+        """Queue one look's commands on a (sync or async) pipeline: GET the result,
+        EXISTS the job hash, the replies `absorb` takes."""
+        pipe.get(keys.result(self.job_id))
+        pipe.exists(keys.job(self.job_id))
 
     def absorb(self, stored: bytes | None, job_exists: int) -> JobResult | None:
         """The stored result (rejected and failed ones raise), or None while there is none;

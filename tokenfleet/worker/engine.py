@@ -28,7 +28,7 @@ from tokenfleet.model import LoadedModel, Sampler, SamplingState, SeqInput
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, FinishEvent, GenerationRequest, JobResult, TokenEvent
-from tokenfleet.reasons import AdmissionReason, FinishReason
+from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
 from tokenfleet.worker.scheduler import (
     DecodeStep,
     PrefillChunk,
@@ -486,7 +486,7 @@ class Engine:
 
 
 _QUEUE_DEADLINE = ErrorInfo(
-    reason="queue_deadline", message="no worker started the job before its queue deadline"
+    reason=QUEUE_DEADLINE_REASON, message="no worker started the job before its queue deadline"
 )
 
 
