@@ -4,9 +4,11 @@ a proxy that loses a reply."""
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +21,31 @@ import redis
 
 from tokenfleet.local import free_port
 
-__all__ = ["LostReplyProxy", "PartitionProxy", "RedisServer", "free_port", "wait_for"]
+__all__ = [
+    "LostReplyProxy",
+    "PartitionProxy",
+    "RedisServer",
+    "free_port",
+    "run_cli",
+    "wait_for",
+]
+ROOT = Path(__file__).parent.parent
+
+
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run `tokenfleet ARGS` as its own process; wide output so Rich doesn't wrap lines."""
+    env = {**(env or os.environ), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "tokenfleet.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+        cwd=ROOT,
+    )
 
 
 def wait_for(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -37,7 +36,7 @@ import redis
 import yaml
 from fleet import Fleet, WorkerProcess
 from redis.exceptions import NoPermissionError, ResponseError
-from support import free_port, wait_for
+from support import free_port, run_cli, wait_for
 from typer.testing import CliRunner
 
 from tokenfleet.acl import (
@@ -224,16 +223,7 @@ def acl(server: AclServer) -> AclServer:
 
 def cli(url: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     """`tokenfleet ARGS --redis-url URL` as its own process."""
-    env = {**os.environ, "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli", *args, "--redis-url", url],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-    )
+    return run_cli(*args, "--redis-url", url, timeout=timeout)
 
 
 def live(fleet: Fleet) -> list[WorkerProcess]:
@@ -648,7 +638,6 @@ def test_a_gateway_refused_a_command_says_so_instead_of_redis_unavailable(
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
-
             replies: list[httpx.Response] = []
 
             def answered() -> bool:

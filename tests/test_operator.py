@@ -17,7 +17,7 @@ import msgpack
 import pytest
 import redis
 from fleet import Fleet
-from support import wait_for
+from support import run_cli, wait_for
 
 from tokenfleet.keys import GROUP, Keys
 from tokenfleet.producer import Producer
@@ -27,22 +27,6 @@ from tokenfleet.worker.recovery import live_workers
 
 ROOT = Path(__file__).parent.parent
 KEYS = Keys()
-
-
-def cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    """Run `tokenfleet ARGS` as its own process; wide output so Rich doesn't wrap lines."""
-    env = {**(env or os.environ), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-    )
 
 
 def port_of(redis_url: str) -> int:
@@ -66,7 +50,7 @@ def test_demo_serves_every_job_on_an_embedded_redis(kind: str) -> None:
     if kind == "fakeredis":  # no redis-server on PATH: the fakeredis TCP server steps in
         env["PATH"] = path_without("redis-server")
         assert shutil.which("redis-server", path=env["PATH"]) is None
-    proc = cli("demo", "--no-live", "--jobs", "6", env=env, timeout=240)
+    proc = run_cli("demo", "--no-live", "--jobs", "6", env=env, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert re.search(rf"redis: redis://127\.0\.0\.1:\d+/0 \({kind}\)", proc.stdout), out
@@ -173,7 +157,7 @@ def test_a_job_submitted_and_read_back_with_redis_cli_alone_as_documented(
 
 
 def status_json(redis_url: str) -> dict[str, Any]:
-    proc = cli("status", "--json", "--redis-url", redis_url)
+    proc = run_cli("status", "--json", "--redis-url", redis_url)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     status: dict[str, Any] = json.loads(proc.stdout)
     return status
@@ -216,7 +200,7 @@ def test_status_reports_depth_waiting_in_flight_dead_letters_and_workers(
     assert status["workers"]["fake-consumer"]["status"] == "running"
     assert status["workers"]["fake-consumer"]["active"] == 2
 
-    table = cli("status", "--redis-url", redis_url)
+    table = run_cli("status", "--redis-url", redis_url)
     assert table.returncode == 0, table.stderr
     assert "dead letters: 1" in table.stdout
     assert "fake-consumer" in table.stdout
@@ -299,7 +283,7 @@ def test_dead_letters_are_listed_and_a_decodable_one_is_served_after_requeue(
     (bad,) = consumer.read(1)
     assert consumer.dead_letter(bad, "not_msgpack", "garbage from the test")
 
-    listed = cli("dead-letters", "--json", "--redis-url", redis_url)
+    listed = run_cli("dead-letters", "--json", "--redis-url", redis_url)
     assert listed.returncode == 0, listed.stderr
     entries = json.loads(listed.stdout)
     assert [(e["job_id"], e["reason"]) for e in entries] == [
@@ -308,13 +292,13 @@ def test_dead_letters_are_listed_and_a_decodable_one_is_served_after_requeue(
     ]
     assert entries[1]["message"] == "given up by the test"
     bad_id, good_id = entries[0]["id"], entries[1]["id"]
-    plain = cli("dead-letters", "--redis-url", redis_url)
+    plain = run_cli("dead-letters", "--redis-url", redis_url)
     assert plain.returncode == 0 and "2 dead letter(s)" in plain.stdout, plain.stdout
 
-    refused = cli("dead-letters", "--requeue", bad_id, "--redis-url", redis_url)
+    refused = run_cli("dead-letters", "--requeue", bad_id, "--redis-url", redis_url)
     assert refused.returncode == 2
     assert "cannot be requeued" in refused.stderr
-    requeued = cli("dead-letters", "--requeue", good_id, "--redis-url", redis_url)
+    requeued = run_cli("dead-letters", "--requeue", good_id, "--redis-url", redis_url)
     assert requeued.returncode == 0, requeued.stderr
     assert f"{good_id}: job dl-good submitted again" in requeued.stdout
     assert [e[0].decode() for e in r.xrange(KEYS.dead_letters(), "-", "+")] == [bad_id]
@@ -326,7 +310,7 @@ def test_dead_letters_are_listed_and_a_decodable_one_is_served_after_requeue(
     payload = r.xrange(KEYS.jobs(), "-", "+")[-1][1][b"payload"]
     dup = {"job_id": "dl-live", "reason": "rejected_duplicate", "payload": payload}
     dup_id = r.xadd(KEYS.dead_letters(), dup).decode()
-    live = cli("dead-letters", "--requeue", dup_id, "--redis-url", redis_url)
+    live = run_cli("dead-letters", "--requeue", dup_id, "--redis-url", redis_url)
     assert live.returncode == 2
     assert "job dl-live is still queued or running" in live.stderr
 
