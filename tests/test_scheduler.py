@@ -1,11 +1,15 @@
-"""The continuous-batching scheduler driven directly, with a fake sampler and no model."""
+"""The continuous-batching scheduler driven directly, with a fake sampler and no model.
+
+The scheduler never writes a sequence's `output_ids` nor decides its end: the
+engine's session does (it appends each sampled token and ends a job at its
+length). `complete` plays that part here.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenfleet.kv import BlockManager
-from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -23,11 +27,24 @@ def seq(sid: str, prompt_len: int = 5, new: int = 10, outputs: list[int] | None 
     return Sequence(sid, list(range(100, 100 + prompt_len)), new, list(outputs or []))
 
 
+def complete(s: Scheduler, plan: TickPlan, sampled: dict[str, int]) -> list[Sequence]:
+    """What the engine does after a forward: append each live sampled session's token,
+    finish the sessions that used their whole budget, then complete the tick."""
+    done: list[Sequence] = []
+    for sid, token in sampled.items():
+        if sid in s:
+            seq = s.get(sid)
+            seq.output_ids.append(token)
+            if seq.remaining_new_tokens <= 0:
+                done.append(s.finish(sid))
+    s.complete_tick(plan)
+    return done
+
+
 def run(s: Scheduler) -> tuple[TickPlan, list[Sequence]]:
     """One tick with a fake model: every sampling session gets token 7."""
     plan = s.schedule()
-    done = s.complete_tick(plan, {sid: 7 for sid in plan.sampling_ids})
-    return plan, done
+    return plan, complete(s, plan, {sid: 7 for sid in plan.sampling_ids})
 
 
 def test_config_validated() -> None:
@@ -57,7 +74,7 @@ def test_sequence_lifecycle_and_positions() -> None:
     assert (d.token_id, d.position, d.context_len) == (7, 5, 6)
     assert len(d.block_table) * 4 >= 6
     _, done = run(s)
-    assert done == [a] and a.finish_reason is FinishReason.LENGTH
+    assert done == [a]
     assert a.status.value == "finished" and len(a.output_ids) == 3
     assert s.is_idle and s.blocks.num_reserved_blocks == 0
 
@@ -102,7 +119,7 @@ def test_prefill_is_fifo_and_only_the_head_is_partial() -> None:
         ("a", 0, 4, True),
         ("b", 0, 2, False),
     ]
-    s.complete_tick(plan, {"a": 1})
+    complete(s, plan, {"a": 1})
     plan = s.schedule()
     assert [(c.seq.session_id, c.start, c.length) for c in plan.prefill] == [
         ("b", 2, 2),
@@ -144,31 +161,31 @@ def test_occupancy_reflects_partial_batch() -> None:
     assert len(plan.decode) / s.config.max_batch_size == 0.25
 
 
-def test_finish_and_abort_free_kv_to_zero() -> None:
+def test_finish_frees_kv_to_zero_in_any_state() -> None:
     s = make(prefill=3)
     for sid in ("a", "b", "c"):
         s.add(seq(sid, prompt_len=4, new=20))
     for _ in range(3):
         run(s)
     assert s.blocks.num_allocated_blocks > 0
-    assert s.finish("a").finish_reason is FinishReason.STOP
-    s.abort("b")  # partly prefilled or decoding: either way it goes
-    aborted = s.abort("c", FinishReason.DEADLINE)
-    assert aborted.status is SeqStatus.FINISHED and aborted.finish_reason is FinishReason.DEADLINE
+    assert s.finish("a").status is SeqStatus.FINISHED
+    s.finish("b")  # partly prefilled or decoding: either way it goes
+    assert s.finish("c").status is SeqStatus.FINISHED
     assert s.is_idle
     assert s.blocks.num_allocated_blocks == 0 and s.blocks.num_reserved_blocks == 0
     s.blocks.check_invariants()
     assert s.schedule().is_empty
 
 
-def test_abort_while_plan_in_flight_is_skipped() -> None:
+def test_finish_while_plan_in_flight_is_skipped() -> None:
     s = make()
     s.add(seq("a", prompt_len=2))
     s.add(seq("b", prompt_len=2))
     plan = s.schedule()
-    s.abort("a")
-    s.complete_tick(plan, {"a": 1, "b": 1})
-    assert "a" not in s and s.get("b").output_ids == [1]
+    a = s.finish("a")
+    complete(s, plan, {"a": 1, "b": 1})
+    assert "a" not in s and a.num_computed == 0
+    assert s.get("b").output_ids == [1] and s.get("b").status is SeqStatus.DECODE
 
 
 def test_resumed_sequence_prefills_prompt_plus_outputs() -> None:
@@ -180,7 +197,7 @@ def test_resumed_sequence_prefills_prompt_plus_outputs() -> None:
     [c] = plan.prefill
     assert (c.start, c.length, c.samples) == (0, 8, True)
     assert c.token_ids == [100, 101, 102, 103, 104, 201, 202, 203]
-    s.complete_tick(plan, {"r": 204})
+    complete(s, plan, {"r": 204})
     assert r.output_ids == [201, 202, 203, 204]  # the next index continues at 3
     assert r.remaining_new_tokens == 6
     for _ in range(6):
@@ -209,3 +226,11 @@ def test_schedule_twice_without_completion_is_a_bug() -> None:
     s.discard_tick(plan)
     assert s.get("a").num_computed == 0
     assert s.schedule().num_prefill_tokens == 5
+
+
+def test_complete_tick_refuses_a_sampled_session_without_its_token() -> None:
+    s = make()
+    s.add(seq("a", prompt_len=2))
+    plan = s.schedule()
+    with pytest.raises(AssertionError, match="not appended"):
+        s.complete_tick(plan)  # the session's token was never appended: a bug, loudly

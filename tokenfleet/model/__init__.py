@@ -1,20 +1,48 @@
 """Llama-family model in torch: config, paged KV pool, checkpoint loading, tokenizers, sampling.
 
-The engine calls `LlamaModel.forward(input_ids, seqs, kv)` once per tick.
+The engine never calls the model directly: it talks to a `ModelRunner`
+(`tokenfleet.worker.runner`), and `TorchRunner` (`model/runner.py`) runs this
+model behind it. Names are imported lazily, so the torch-free parts (config,
+tokenizers, the detokenizer, chat templates) load without torch.
 """
 
 from __future__ import annotations
 
-from tokenfleet.model.batch import SeqInput
-from tokenfleet.model.config import Llama3RopeScaling, ModelConfig
-from tokenfleet.model.detokenizer import IncrementalDetokenizer
-from tokenfleet.model.errors import ModelConfigError, ModelLoadError
-from tokenfleet.model.kv_pool import KVPool
-from tokenfleet.model.llama import LlamaModel
-from tokenfleet.model.loader import LoadedModel, load_model
-from tokenfleet.model.presets import PRESETS
-from tokenfleet.model.sampling import Sampler, SamplingState
-from tokenfleet.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenfleet.model.batch import SeqInput
+    from tokenfleet.model.config import Llama3RopeScaling, ModelConfig
+    from tokenfleet.model.detokenizer import IncrementalDetokenizer
+    from tokenfleet.model.errors import ModelConfigError, ModelLoadError
+    from tokenfleet.model.kv_pool import KVPool
+    from tokenfleet.model.llama import LlamaModel
+    from tokenfleet.model.loader import LoadedModel, load_model
+    from tokenfleet.model.presets import PRESETS
+    from tokenfleet.model.runner import TorchRunner
+    from tokenfleet.model.sampling import Sampler, SamplingState
+    from tokenfleet.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+_WHERE = {
+    "SeqInput": "batch",
+    "Llama3RopeScaling": "config",
+    "ModelConfig": "config",
+    "IncrementalDetokenizer": "detokenizer",
+    "ModelConfigError": "errors",
+    "ModelLoadError": "errors",
+    "KVPool": "kv_pool",
+    "LlamaModel": "llama",
+    "LoadedModel": "loader",
+    "load_model": "loader",
+    "PRESETS": "presets",
+    "TorchRunner": "runner",
+    "Sampler": "sampling",
+    "SamplingState": "sampling",
+    "ByteTokenizer": "tokenizer",
+    "HFTokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
+}
 
 __all__ = [
     "PRESETS",
@@ -32,5 +60,15 @@ __all__ = [
     "SamplingState",
     "SeqInput",
     "Tokenizer",
+    "TorchRunner",
     "load_model",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,9 +1,16 @@
 """One engine tick's batch: which tokens belong to which sequence, and where their KV lives.
 
 The model runs every projection over all T new tokens at once; only attention
-needs to know the sequence boundaries. `BatchPlan.build` turns the list of
+needs to know the sequence boundaries. `TickBuffers.build` turns the list of
 `SeqInput`s into the index tensors attention needs, once per forward (not once
 per layer), so the layers themselves do no Python bookkeeping.
+
+The index tensors are written into buffers allocated once and reused every tick
+(host buffers pinned and copied to the device without blocking when the model is
+not on the CPU), so a static-shape runner, or a CUDA graph, can replay a tick on
+the same tensors. What they hold is backend-neutral: flat positions and write
+slots, an int32 block table and a context length per sequence. Each attention
+backend derives what its kernels want from them (`tokenfleet.model.attention`).
 """
 
 from __future__ import annotations
@@ -29,11 +36,12 @@ class SeqInput:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """All sequences with exactly one new token, attended in one padded call."""
+    """All sequences with exactly one new token: attended together."""
 
     rows: Tensor  # [B] their rows in the flattened batch
-    slots: Tensor  # [B, Lmax] context slots; padding repeats the row's own last slot
-    mask: Tensor  # [B, 1, 1, Lmax] bool, True where the key is part of the row's context
+    block_tables: Tensor  # [B, W] int32 block ids, padded with 0 past each row's context
+    context_lens: Tensor  # [B] int32 keys each row attends over (its position + 1)
+    max_context: int  # max(context_lens), known on the host
     is_all_rows: bool  # rows == arange(T): no gather/scatter of q and output needed
 
 
@@ -43,44 +51,80 @@ class PrefillSpan:
 
     row_start: int  # first row in the flattened batch
     num_new: int
-    # Context slots [start_pos + num_new] to read back from the pool, and the causal
-    # mask [num_new, start_pos + num_new] shifted by start_pos. Both None for a
-    # chunk starting at position 0: it attends to its fresh K/V with a plain causal mask.
-    context_slots: Tensor | None
-    mask: Tensor | None
+    start_pos: int  # tokens of this sequence already in the cache before the chunk
+    block_table: Tensor  # [W] int32; covers start_pos + num_new positions
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_new
 
 
 @dataclass(frozen=True)
 class BatchPlan:
+    input_ids: Tensor  # [T] the new tokens, concatenated in `seqs` order
     positions: Tensor  # [T] position of each new token
     write_slots: Tensor  # [T] pool slot each new token's K/V goes to
     last_rows: Tensor  # [S] row of each sequence's last new token, in `seqs` order
+    block_size: int
     decode: DecodeGroup | None
     prefills: tuple[PrefillSpan, ...]
 
-    @classmethod
+
+class TickBuffers:
+    """Reusable index buffers for one model: grown when a tick needs more, never shrunk."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._flat = self._alloc((0,), torch.long)  # ids | positions | slots | last | rows
+        self._tables = self._alloc((0, 0), torch.int32)  # [rows, W] block tables
+        self._lens = self._alloc((0,), torch.int32)
+
+    def _alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        host = torch.zeros(shape, dtype=dtype, pin_memory=self._pin)
+        if self.device.type == "cpu":
+            return host, host  # no staging: the model reads the host tensors
+        return host, torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _stage(
+        self, which: tuple[Tensor, Tensor], values: Tensor, shape: tuple[int, ...]
+    ) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        """Copy `values` into the (grown if needed) host buffer, then to the device."""
+        host, dev = which
+        if any(n > have for n, have in zip(shape, host.shape, strict=True)):
+            grown = tuple(max(n, 2 * have, 8) for n, have in zip(shape, host.shape, strict=True))
+            host, dev = self._alloc(grown, host.dtype)
+        index = tuple(slice(0, n) for n in shape)
+        host[index].copy_(values.view(shape))
+        if dev is not host:
+            dev[index].copy_(host[index], non_blocking=True)
+        return (host, dev), dev[index]
+
     def build(
-        cls,
+        self,
+        input_ids: Tensor | Sequence[int],
         seqs: Sequence[SeqInput],
-        num_tokens: int,
         block_size: int,
         num_blocks: int,
-        device: torch.device,
     ) -> BatchPlan:
         if not seqs:
             raise ValueError("a forward needs at least one sequence")
+        ids = input_ids.tolist() if isinstance(input_ids, Tensor) else list(input_ids)
+        num_tokens = len(ids)
         total = sum(s.num_new for s in seqs)
         if total != num_tokens:
             raise ValueError(f"input has {num_tokens} tokens but seqs claim {total}")
 
-        # Positions and write slots are plain ints until one tensor each at the end:
-        # a tensor per sequence costs more than the arithmetic (decode rows are 1 token).
+        # Plain ints until one staged tensor at the end: a tensor per sequence costs
+        # more than the arithmetic (decode rows are 1 token).
         positions: list[int] = []
         write_slots: list[int] = []
         last_rows: list[int] = []
         decode_rows: list[int] = []
-        decode_seqs: list[SeqInput] = []
-        prefills: list[PrefillSpan] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefill_tables: list[list[int]] = []
+        spans: list[tuple[int, int, int]] = []  # row_start, num_new, start_pos
         row = 0
         for s in seqs:
             stop = s.start_pos + s.num_new
@@ -99,61 +143,35 @@ class BatchPlan:
             last_rows.append(row + s.num_new - 1)
             if s.num_new == 1:
                 decode_rows.append(row)
-                decode_seqs.append(s)
-            elif s.start_pos == 0:
-                prefills.append(PrefillSpan(row, s.num_new, None, None))
+                decode_tables.append(used)
+                decode_lens.append(stop)
             else:
-                bt = torch.tensor(used, dtype=torch.long)
-                pos = torch.arange(s.start_pos, stop)
-                ctx = torch.arange(stop)
-                # query i sits at position start_pos + i and sees keys 0..start_pos + i
-                mask = ctx[None, :] <= pos[:, None]  # [num_new, stop]
-                prefills.append(
-                    PrefillSpan(
-                        row, s.num_new, _slots(bt, ctx, block_size).to(device), mask.to(device)
-                    )
-                )
+                spans.append((row, s.num_new, s.start_pos))
+                prefill_tables.append(used)
             row += s.num_new
 
-        return cls(
-            positions=torch.tensor(positions, dtype=torch.long).to(device),
-            write_slots=torch.tensor(write_slots, dtype=torch.long).to(device),
-            last_rows=torch.tensor(last_rows, dtype=torch.long).to(device),
-            decode=_decode_group(decode_rows, decode_seqs, num_tokens, block_size, device),
-            prefills=tuple(prefills),
+        flat = [*ids, *positions, *write_slots, *last_rows, *decode_rows]
+        self._flat, staged = self._stage(self._flat, torch.tensor(flat), (len(flat),))
+        t, n = num_tokens, len(last_rows)
+        input_t, pos_t, slots_t = staged[:t], staged[t : 2 * t], staged[2 * t : 3 * t]
+        last_t, rows_t = staged[3 * t : 3 * t + n], staged[3 * t + n :]
+
+        tables = decode_tables + prefill_tables
+        width = max(len(b) for b in tables)
+        padded = [b + [0] * (width - len(b)) for b in tables]
+        self._tables, tables_t = self._stage(
+            self._tables, torch.tensor(padded, dtype=torch.int32), (len(tables), width)
         )
-
-
-def _slots(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
-    return block_table[positions // block_size] * block_size + positions % block_size
-
-
-def _decode_group(
-    rows: list[int],
-    seqs: list[SeqInput],
-    num_tokens: int,
-    block_size: int,
-    device: torch.device,
-) -> DecodeGroup | None:
-    if not seqs:
-        return None
-    ctx_lens = torch.tensor([s.start_pos + 1 for s in seqs], dtype=torch.long)  # [B]
-    max_len = int(ctx_lens.max())
-    max_blocks = -(-max_len // block_size)
-    padded = [
-        s.block_table[:max_blocks] + [0] * (max_blocks - len(s.block_table[:max_blocks]))
-        for s in seqs
-    ]
-    tables = torch.tensor(padded, dtype=torch.long)  # [B, max_blocks]
-    keys = torch.arange(max_len)[None, :]  # [1, Lmax]
-    # Padding keys point at the row's own last real slot: the mask hides them, and
-    # reading only the row's own blocks keeps other sequences' data out entirely.
-    pos = torch.minimum(keys, ctx_lens[:, None] - 1)  # [B, Lmax]
-    slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
-    mask = (keys < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, Lmax]
-    return DecodeGroup(
-        rows=torch.tensor(rows, dtype=torch.long).to(device),
-        slots=slots.to(device),
-        mask=mask.to(device),
-        is_all_rows=len(rows) == num_tokens,
-    )
+        decode: DecodeGroup | None = None
+        b = len(decode_rows)
+        if b:
+            self._lens, lens_t = self._stage(
+                self._lens, torch.tensor(decode_lens, dtype=torch.int32), (b,)
+            )
+            decode = DecodeGroup(
+                rows_t, tables_t[:b], lens_t, max(decode_lens), is_all_rows=b == num_tokens
+            )
+        prefills = tuple(
+            PrefillSpan(r, k, start, tables_t[b + i]) for i, (r, k, start) in enumerate(spans)
+        )
+        return BatchPlan(input_t, pos_t, slots_t, last_t, block_size, decode, prefills)

@@ -2,7 +2,8 @@
 
 All T new tokens of all sequences are concatenated into one flat batch; norms,
 projections and the MLP run once over [T, hidden] (that is the batching), and
-only attention looks at sequence boundaries (see `attention.py`).
+only attention looks at sequence boundaries (see `attention/`), through the
+model's attention backend.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tokenfleet.model.attention import Attention
-from tokenfleet.model.batch import BatchPlan, SeqInput
+from tokenfleet.model.attention import Attention, AttentionBackend, SdpaBackend
+from tokenfleet.model.attention.layer import ForwardContext
+from tokenfleet.model.batch import SeqInput, TickBuffers
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
@@ -57,8 +59,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, plan: BatchPlan, kv: KVPool) -> Tensor:
-        attn: Tensor = self.self_attn(self.input_layernorm(x), cos, sin, plan, kv)
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        attn: Tensor = self.self_attn(self.input_layernorm(x), ctx)
         x = x + attn
         mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
         return x + mlp
@@ -78,6 +80,8 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
         self._inv_freq = inverse_frequencies(config, torch.device("cpu"))
+        self.attention: AttentionBackend = SdpaBackend()
+        self._tick_buffers: TickBuffers | None = None  # the tick's index tensors, reused
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,7 +96,9 @@ class LlamaModel(nn.Module):
         return KVPool(self.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Tensor, seqs: Sequence[SeqInput], kv: KVPool) -> Tensor:
+    def forward(
+        self, input_ids: Tensor | Sequence[int], seqs: Sequence[SeqInput], kv: KVPool
+    ) -> Tensor:
         """Run one tick and return float32 logits [len(seqs), vocab].
 
         `input_ids` [T] holds every sequence's new tokens concatenated in `seqs`
@@ -104,14 +110,17 @@ class LlamaModel(nn.Module):
                 f"KV pool is {kv.dtype} on {kv.device}, model is {self.dtype} on {self.device}"
             )
         device = self.device
-        plan = BatchPlan.build(seqs, int(input_ids.shape[0]), kv.block_size, kv.num_blocks, device)
+        if self._tick_buffers is None or self._tick_buffers.device != device:
+            self._tick_buffers = TickBuffers(device)
+        plan = self._tick_buffers.build(input_ids, seqs, kv.block_size, kv.num_blocks)
         if self._inv_freq.device != device:
             self._inv_freq = self._inv_freq.to(device)
         cos, sin = rope_cos_sin(self._inv_freq, plan.positions, self.dtype)  # [T, hd] each
+        ctx = ForwardContext(cos, sin, plan, kv, self.attention, self.attention.prepare(plan))
 
-        x = self.embed_tokens(input_ids.to(device))  # [T, hidden]
+        x = self.embed_tokens(plan.input_ids)  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, plan, kv)
+            x = layer(x, ctx)
         last = self.norm(x[plan.last_rows])  # [S, hidden]; the norm is per row
         logits: Tensor = self.lm_head(last)
         return logits.float()  # [S, vocab]

@@ -10,12 +10,13 @@ seeded stream resumable: `from_params(..., draws=n)` continues after n tokens.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from tokenfleet.worker.runner import ResolvedSampling
 
 
 @dataclass
@@ -44,17 +45,16 @@ class SamplingState:
         `draws` skips that many uniforms: a session resumed after n sampled tokens
         passes n and continues exactly where it stopped.
         """
-        if not temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if seed is None:
-            seed = secrets.randbits(63)
+        params = ResolvedSampling.create(temperature, top_k, top_p, seed)  # validates
+        return cls.for_params(params, draws=draws)
+
+    @classmethod
+    def for_params(cls, params: ResolvedSampling, *, draws: int = 0) -> SamplingState:
+        """The stream of a session with `params`, `draws` uniforms in."""
         generator = torch.Generator(device="cpu")
-        generator.manual_seed(seed)
-        state = cls(temperature, top_k, top_p, seed, 0, generator)
+        generator.manual_seed(params.seed)
+        p = params
+        state = cls(p.temperature, p.top_k, p.top_p, p.seed, 0, generator)
         for _ in range(draws):
             state.next_uniform()
         return state

@@ -1,15 +1,18 @@
-"""The engine: admission + scheduler + model + sampling, one tick at a time, no Redis.
+"""The engine: admission + scheduler + job lifecycle, one tick at a time, no Redis, no torch.
 
-    engine = Engine(load_model("tiny-random"), EngineConfig())
+    engine = Engine(load_model("tiny-random"), EngineConfig())  # or Engine(runner, ...)
     engine.submit(GenerationRequest(prompt="hi", max_new_tokens=8))
     while engine.has_work:
         out = engine.step()   # token events of this tick, then jobs that ended
 
-A tick is ONE forward pass: every decoding session's next token, then bounded
-prefill chunks of new sessions (see `scheduler.py`). A failure inside the
-forward is retried with each session alone, so one bad job fails itself, not
-its batch. Every terminal outcome (finish, rejection, cancel, deadline,
-error) comes out of `step()` as a `Finished`.
+A tick is ONE `ModelRunner.execute` (one forward pass and one batched sample):
+every decoding session's next token, then bounded prefill chunks of new
+sessions (see `scheduler.py`). The engine only talks to the runner
+(`worker/runner.py`); a `LoadedModel` is wrapped in `TorchRunner`. A failure
+inside the runner is retried with each session alone, so one bad job fails
+itself, not its batch. Every terminal outcome (finish, rejection, cancel,
+deadline, error) comes out of `step()` as a `Finished`, and the engine times
+its own steps and the runner's share of them (`EngineStats`).
 """
 
 from __future__ import annotations
@@ -19,27 +22,29 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
-from tokenfleet.kv import KVLayout
-from tokenfleet.model import LoadedModel, Sampler, SamplingState, SeqInput
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
-from tokenfleet.protocol import ErrorInfo, FinishEvent, GenerationRequest, JobResult, TokenEvent
+from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
+from tokenfleet.worker.runner import ModelRunner, ResolvedSampling
 from tokenfleet.worker.scheduler import (
     DecodeStep,
-    PrefillChunk,
     Scheduler,
     SchedulerConfig,
     SeqStatus,
     Sequence,
     TickPlan,
 )
-from tokenfleet.worker.session import Session
+from tokenfleet.worker.session import Finished, Session, terminal
 from tokenfleet.worker.telemetry import EngineStats
+
+if TYPE_CHECKING:
+    from tokenfleet.model.loader import LoadedModel
+
+__all__ = ["Engine", "EngineConfig", "Finished", "StepOutput"]
 
 MiB = 1024 * 1024
 FaultHook = Callable[[Session], None]
@@ -57,19 +62,15 @@ class EngineConfig:
     block_size: int = 16
     scratch_budget_bytes: int | None = None  # None: enough for max_active sessions' worst case
 
-    def budget(self, loaded: LoadedModel) -> NodeBudget:
-        cfg = loaded.config
-        dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
-        layout = KVLayout(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype_bytes, self.block_size
-        )
+    def budget(self, runner: ModelRunner) -> NodeBudget:
+        layout = runner.spec.kv_layout(self.block_size)
         max_tokens = layout.num_blocks_for_budget(self.kv_budget_bytes) * self.block_size
-        per_session = session_scratch_bytes(loaded, max(1, max_tokens))
+        per_session = runner.scratch_bytes(max(1, max_tokens))
         total = self.scratch_budget_bytes
         if total is None:
             total = per_session * self.max_active
         return NodeBudget(
-            weight_bytes=loaded.weight_bytes,
+            weight_bytes=runner.spec.weight_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
             scratch_per_session_bytes=min(per_session, total),
             scratch_total_bytes=total,
@@ -79,27 +80,6 @@ class EngineConfig:
             layout=layout,
             max_waiting=self.max_waiting,
         )
-
-
-def session_scratch_bytes(loaded: LoadedModel, kv_tokens: int) -> int:
-    """A session's share of activation memory: one decode token attending over its whole
-    context (gathered K/V, scores, its logits row and sampling buffers)."""
-    dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
-    return loaded.config.scratch_bytes(
-        1, context_len=kv_tokens, logit_rows=1, dtype_bytes=dtype_bytes
-    )
-
-
-@dataclass(frozen=True)
-class Finished:
-    """A job that ended: its terminal event and the result to store."""
-
-    event: FinishEvent
-    result: JobResult
-
-    @property
-    def job_id(self) -> str:
-        return self.event.job_id
 
 
 @dataclass
@@ -113,36 +93,36 @@ class StepOutput:
 class Engine:
     def __init__(
         self,
-        loaded: LoadedModel,
+        model: ModelRunner | LoadedModel,
         config: EngineConfig | None = None,
         *,
         worker: str | None = None,
         clock: Callable[[], float] = time.time,
         fault: FaultHook | None = None,
     ) -> None:
-        self.loaded = loaded
+        self.runner = _as_runner(model)
+        self.spec = self.runner.spec
+        self.tokenizer = self.runner.tokenizer
         self.config = config or EngineConfig()
-        self.budget = self.config.budget(loaded)
+        self.budget = self.config.budget(self.runner)
         self.worker = worker
         self.clock = clock
         self.fault = fault  # fault injection for tests: raise inside the forward of a session
         self.admission = Admission(self.budget)
         self.blocks = self.budget.new_block_manager()
-        self.kv = loaded.model.new_kv_pool(self.budget.num_kv_blocks, self.budget.layout.block_size)
+        self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(self.budget.max_batch_size, self.budget.max_prefill_tokens_per_tick),
             self.blocks,
         )
-        self.sampler = Sampler()
         self.stats = EngineStats(self.budget.max_batch_size)
         self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
         self.waiting: deque[Session] = deque()  # queued locally until they fit
         self._ended: list[Finished] = []  # outcomes decided between ticks
+        self._forward_s = 0.0  # runner time of the step in progress
         # Mean prompt length of admitted jobs (moving average): how many jobs one tick's
         # prefill budget starts, for `room()`. Starts at two blocks.
         self._prompt_mean = float(2 * self.budget.layout.block_size)
-        eos = () if loaded.tokenizer is None else loaded.tokenizer.eos_token_ids
-        self._eos = frozenset(eos) | frozenset(loaded.config.eos_token_ids)
 
     # ---- jobs in ---------------------------------------------------------------
 
@@ -216,11 +196,7 @@ class Engine:
         if session is None:
             self._ended = [f for f in self._ended if f.job_id != job_id]
             return False
-        if self.sessions.pop(job_id, None) is not None:
-            if job_id in self.scheduler:
-                self.scheduler.abort(job_id, FinishReason.CANCELLED)
-        else:
-            self.waiting.remove(session)
+        self._remove(session)
         self._ended = [f for f in self._ended if f.job_id != job_id]
         self.stats.record_lost()
         return True
@@ -253,6 +229,8 @@ class Engine:
 
     def step(self) -> StepOutput:
         """Expire deadlines, start waiting jobs that fit, run one tick, post-process."""
+        step_started = time.perf_counter()
+        self._forward_s = 0.0
         now = self.clock()
         self._expire(now)
         self._promote(now)
@@ -270,18 +248,11 @@ class Engine:
             out.decode_tokens, out.prefill_tokens = plan.num_decode_tokens, plan.num_prefill_tokens
         out.finished.extend(self._ended)
         self._ended = []
+        self.stats.record_step(time.perf_counter() - step_started, self._forward_s)
         return out
 
     def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
-        entries: list[DecodeStep | PrefillChunk] = [*plan.decode, *plan.prefill]
-        rows = self._forward(entries)  # session id -> logits row [vocab], for samplers only
-        sampled_ids = [sid for sid in plan.sampling_ids if sid in rows]
-        tokens: dict[str, int] = {}
-        if sampled_ids:
-            logits = torch.stack([rows[sid] for sid in sampled_ids])  # [S, vocab]
-            states = [self.sessions[sid].sampling for sid in sampled_ids]
-            tokens = dict(zip(sampled_ids, self.sampler.sample(logits, states), strict=True))
-        self.scheduler.complete_tick(plan, tokens)  # frees sessions that reached max_new_tokens
+        tokens = self._execute(plan)  # session id -> sampled token
         now = self.clock()
         for sid, token in tokens.items():
             session = self.sessions[sid]
@@ -296,45 +267,45 @@ class Engine:
                 out.tokens.append(event)
             if ended is not None:
                 self._end(session, ended, now)
+        self.scheduler.complete_tick(plan)  # advances the sessions still running
 
-    def _forward(self, entries: list[DecodeStep | PrefillChunk]) -> dict[str, torch.Tensor]:
-        """Logits of each entry's last token; on failure, retry entries one by one and
-        fail only the sessions whose own forward fails."""
+    def _execute(self, plan: TickPlan) -> dict[str, int]:
+        """Each sampling session's next token; on failure, retry entries one by one and
+        fail only the sessions whose own execution fails."""
         try:
-            logits = self._run_model(entries)
-            return {e.seq.session_id: logits[i] for i, e in enumerate(entries)}
+            return self._run_runner(plan)
         except Exception:
             pass
-        rows: dict[str, torch.Tensor] = {}
+        tokens: dict[str, int] = {}
         now = self.clock()
-        for entry in entries:
+        for entry in plan.entries:
+            alone = (
+                TickPlan([entry], []) if isinstance(entry, DecodeStep) else TickPlan([], [entry])
+            )
             try:
-                rows[entry.seq.session_id] = self._run_model([entry])[0]
+                tokens.update(self._run_runner(alone))
             except Exception as exc:
                 session = self.sessions[entry.seq.session_id]
                 self._end(session, FinishReason.ERROR, now, _error("engine", exc))
-        return rows
+        return tokens
 
-    def _run_model(self, entries: list[DecodeStep | PrefillChunk]) -> torch.Tensor:
-        if self.fault is not None:
-            for entry in entries:
-                self.fault(self.sessions[entry.seq.session_id])
-        ids: list[int] = []
-        seqs: list[SeqInput] = []
-        for entry in entries:
-            if isinstance(entry, DecodeStep):
-                ids.append(entry.token_id)
-                seqs.append(SeqInput(entry.block_table, entry.position, 1))
-            else:
-                ids.extend(entry.token_ids)
-                seqs.append(SeqInput(entry.block_table, entry.start, entry.length))
-        input_ids = torch.tensor(ids, dtype=torch.long)
-        return self.loaded.model.forward(input_ids, seqs, self.kv)  # [len(entries), vocab]
+    def _run_runner(self, plan: TickPlan) -> dict[str, int]:
+        ids = plan.sampling_ids
+        sampling = {sid: self.sessions[sid].sampling for sid in ids}
+        started = time.perf_counter()
+        try:
+            if self.fault is not None:
+                for entry in plan.entries:
+                    self.fault(self.sessions[entry.seq.session_id])
+            tokens = self.runner.execute(plan, sampling)
+        finally:
+            self._forward_s += time.perf_counter() - started
+        return dict(zip(ids, tokens, strict=True))
 
     # ---- lifecycle -----------------------------------------------------------------
 
     def _new_session(self, request: GenerationRequest, submitted_at: float) -> Session:
-        tokenizer = self.loaded.tokenizer
+        tokenizer = self.tokenizer
         if request.prompt_ids is not None:
             prompt_ids = list(request.prompt_ids)
         elif tokenizer is None:
@@ -344,13 +315,13 @@ class Engine:
             prompt_ids = tokenizer.encode(render_chat(tokenizer, turns))  # ChatTemplateError
         else:
             prompt_ids = tokenizer.encode(request.prompt or "")
-        vocab = self.loaded.config.vocab_size
+        vocab = self.spec.vocab_size
         if not prompt_ids:
             raise ValueError("the prompt encodes to zero tokens")
         bad = [t for t in prompt_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})")
-        limit = self.loaded.config.max_position_embeddings
+        limit = self.spec.max_context
         if len(prompt_ids) + request.max_new_tokens > limit:
             raise ValueError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens})"
@@ -359,18 +330,16 @@ class Engine:
         s = request.sampling
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:
-            stop_ids |= self._eos
+            stop_ids |= self.spec.eos_token_ids
         detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids)
         return Session(
             request=request,
             prompt_ids=prompt_ids,
-            sampling=SamplingState.from_params(s.temperature, s.top_k, s.top_p, s.seed),
+            sampling=ResolvedSampling.create(s.temperature, s.top_k, s.top_p, s.seed),
             detok=detok,
             stop_ids=stop_ids,
             submitted_at=submitted_at,
-            scratch_bytes=session_scratch_bytes(
-                self.loaded, len(prompt_ids) + request.max_new_tokens
-            ),
+            scratch_bytes=self.runner.scratch_bytes(len(prompt_ids) + request.max_new_tokens),
         )
 
     def _admission_request(self, session: Session) -> AdmissionRequest:
@@ -382,16 +351,10 @@ class Engine:
         )
 
     def _start(self, session: Session, now: float) -> None:
-        # A resumed session's sampler skips the uniforms its emitted tokens used.
-        s = session.request.sampling
-        session.sampling = SamplingState.from_params(
-            s.temperature, s.top_k, s.top_p, session.sampling.seed, draws=len(session.emitted)
-        )
+        # The scheduler reads the session's emitted tokens (resumed ones included) from
+        # the same list the session appends to: one record of the job's output.
         session.seq = Sequence(
-            session.job_id,
-            session.prompt_ids,
-            session.max_new_tokens,
-            output_ids=list(session.emitted),
+            session.job_id, session.prompt_ids, session.max_new_tokens, output_ids=session.emitted
         )
         self.scheduler.add(session.seq)
         session.admitted_at = now
@@ -423,30 +386,25 @@ class Engine:
         self, session: Session, reason: FinishReason, now: float, error: ErrorInfo | None = None
     ) -> None:
         """Take a session out of the engine (KV freed) and queue its terminal outcome."""
+        self._remove(session)
+        self.stats.record_finish(reason)
+        self._ended.append(session.finish(reason, now, self.worker, error))
+
+    def _remove(self, session: Session) -> None:
+        """Free what the session holds here: its KV (scheduler) and runner state."""
         if self.sessions.pop(session.job_id, None) is not None:
-            if session.job_id in self.scheduler:
-                self.scheduler.abort(session.job_id, reason)
+            self.scheduler.finish(session.job_id)
+            self.runner.release(session.job_id)
         elif session in self.waiting:
             self.waiting.remove(session)
-        event, result = session.finish(reason, now, self.worker, error)
-        self.stats.record_finish(reason)
-        self._ended.append(Finished(event, result))
 
     def _reject(
         self, request: GenerationRequest, reason: AdmissionReason, message: str, now: float
     ) -> AdmissionDecision:
         self.stats.record_rejection(reason)
         error = ErrorInfo(reason=str(reason), message=message[:4096])
-        event = FinishEvent(
-            job_id=request.job_id, reason=FinishReason.REJECTED, error=error, worker=self.worker
-        )
-        result = JobResult(
-            job_id=request.job_id,
-            finish_reason=FinishReason.REJECTED,
-            error=error,
-            worker=self.worker,
-        )
-        self._ended.append(Finished(event, result))
+        rejected = terminal(request.job_id, FinishReason.REJECTED, self.worker, error=error)
+        self._ended.append(rejected)
         return AdmissionDecision(reason, message)
 
     # ---- state -------------------------------------------------------------------
@@ -488,6 +446,14 @@ class Engine:
 _QUEUE_DEADLINE = ErrorInfo(
     reason=QUEUE_DEADLINE_REASON, message="no worker started the job before its queue deadline"
 )
+
+
+def _as_runner(model: ModelRunner | LoadedModel) -> ModelRunner:
+    if hasattr(model, "execute"):
+        return cast(ModelRunner, model)
+    from tokenfleet.model.runner import TorchRunner  # torch only where a torch model is
+
+    return TorchRunner(model)  # not a runner: a LoadedModel
 
 
 def _queue_expired(session: Session, now: float) -> bool:

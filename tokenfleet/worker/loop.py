@@ -54,15 +54,13 @@ from tokenfleet.errors import ProtocolError
 from tokenfleet.keys import GROUP, Keys
 from tokenfleet.protocol import (
     ErrorInfo,
-    FinishEvent,
     GenerationRequest,
-    JobResult,
     TokenEvent,
     decode_request,
 )
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker import recovery
-from tokenfleet.worker.engine import Engine, Finished
+from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.queue import (
@@ -75,7 +73,7 @@ from tokenfleet.worker.queue import (
     entries_of,
 )
 from tokenfleet.worker.recovery import Delivery
-from tokenfleet.worker.session import Session
+from tokenfleet.worker.session import Finished, Session, terminal
 
 log = logging.getLogger("tokenfleet.worker")
 T = TypeVar("T")
@@ -112,18 +110,12 @@ class _Held:
     end: Finished | None = None  # its terminal outcome, once the engine decided it
 
     def unsent(self) -> list[TokenEvent]:
-        s = self.session
-        if s is None:
-            return []
-        return [
-            TokenEvent(job_id=self.job_id, index=i, token_id=s.emitted[i], text=s.text_parts[i])
-            for i in range(self.sent, len(s.emitted))
-        ]
+        return [] if self.session is None else self.session.events[self.sent :]
 
     @property
     def dirty(self) -> bool:
         """Something this worker decided for the job is not in Redis yet."""
-        pending_tokens = self.session is not None and len(self.session.emitted) > self.sent
+        pending_tokens = self.session is not None and len(self.session.events) > self.sent
         return pending_tokens or self.end is not None
 
 
@@ -544,18 +536,19 @@ class Worker:
     ) -> None:
         """Dead-letter an entry; when its job id is known (and the entry is the job's
         own, which dead_letter.lua checks), its client gets a terminal event."""
-        finish = result = None
+        end = None
         if job_id is not None:
             finish_reason = FinishReason.ERROR if error else FinishReason.REJECTED
             info = ErrorInfo(reason=reason[:64], message=message[:4096])
-            finish = FinishEvent(
-                job_id=job_id, reason=finish_reason, error=info, worker=self.options.name
-            )
-            result = JobResult(
-                job_id=job_id, finish_reason=finish_reason, error=info, worker=self.options.name
-            )
+            end = terminal(job_id, finish_reason, self.options.name, error=info)
         log.warning("dead-lettering entry %s (%s): %s", delivery.entry_id, reason, message)
-        self.queue.dead_letter(delivery, reason, message, finish=finish, result=result)
+        self.queue.dead_letter(
+            delivery,
+            reason,
+            message,
+            finish=None if end is None else end.event,
+            result=None if end is None else end.result,
+        )
 
     # ---- heartbeat ---------------------------------------------------------------
 

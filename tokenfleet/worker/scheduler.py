@@ -16,20 +16,23 @@ Token bookkeeping of one `Sequence` (n = num_tokens = len(prompt) + len(output))
 A resumed session (crash recovery) starts with the outputs already emitted and
 simply prefills prompt + outputs; its next sample continues at index len(output).
 
-Ownership: the scheduler owns a session's KV lifetime. `add` reserves
-prompt + max_new_tokens in the `BlockManager` (admission has checked it fits);
-`finish` / `abort` free it. Physical blocks are ensured in `schedule`.
+Ownership: the scheduler owns positions (`num_computed`, the status) and a
+session's KV lifetime: `add` reserves prompt + max_new_tokens in the
+`BlockManager` (admission has checked it fits), `finish` frees it, and physical
+blocks are ensured in `schedule`. It never writes `output_ids`: that list is the
+session's record of its emitted tokens (`Session.emitted`, the same list), and
+the session alone decides when a job ends (stop token, stop string, length).
+Each tick the engine appends the sampled tokens, ends the sessions that are
+done, then calls `complete_tick`.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tokenfleet.kv import BlockManager
-from tokenfleet.reasons import FinishReason
 
 
 class SeqStatus(StrEnum):
@@ -44,10 +47,9 @@ class Sequence:
     session_id: str
     prompt_ids: list[int]
     max_new_tokens: int  # the job's whole budget, resumed outputs included
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # the session's, read-only here
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
-    finish_reason: FinishReason | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,6 +130,11 @@ class TickPlan:
         return not self.decode and not self.prefill
 
     @property
+    def entries(self) -> list[DecodeStep | PrefillChunk]:
+        """Every entry in forward order: decode steps, then prefill chunks."""
+        return [*self.decode, *self.prefill]
+
+    @property
     def num_decode_tokens(self) -> int:
         return len(self.decode)
 
@@ -137,7 +144,7 @@ class TickPlan:
 
     @property
     def sampling_ids(self) -> list[str]:
-        """Sessions that must get a sampled token in `complete_tick`, in plan order."""
+        """Sessions that get a sampled token from this tick, in plan order."""
         ids = [d.seq.session_id for d in self.decode]
         return ids + [c.seq.session_id for c in self.prefill if c.samples]
 
@@ -228,24 +235,22 @@ class Scheduler:
         self._in_flight = None if plan.is_empty else plan
         return plan
 
-    def complete_tick(self, plan: TickPlan, sampled: Mapping[str, int]) -> list[Sequence]:
-        """Record that `plan` ran: advance the cache, append sampled tokens.
+    def complete_tick(self, plan: TickPlan) -> None:
+        """Record that `plan` ran: advance the cache positions, start decoding.
 
-        `sampled` maps every id in `plan.sampling_ids` to its new token. Sessions
-        finished or aborted while the plan ran are skipped. Returns the sequences
-        that just used their last token of `max_new_tokens`; they are already
-        FINISHED with reason LENGTH and their KV is freed.
+        Call it after every sampling session's token was appended to its
+        `output_ids` (or the session was finished). Sessions finished while the
+        plan ran are skipped.
         """
         if plan.is_empty:
-            return []
+            return
         assert plan is self._in_flight, "complete_tick() for a plan that is not in flight"
         self._in_flight = None
         for step in plan.decode:
             seq = step.seq
-            if self._seqs.get(seq.session_id) is not seq:
-                continue
-            seq.num_computed = step.context_len
-            seq.output_ids.append(sampled[seq.session_id])
+            if self._seqs.get(seq.session_id) is seq:
+                assert seq.num_tokens == step.context_len + 1, "decode token not appended"
+                seq.num_computed = step.context_len
         for chunk in plan.prefill:
             seq = chunk.seq
             if self._seqs.get(seq.session_id) is not seq:
@@ -254,14 +259,10 @@ class Scheduler:
             if not chunk.samples:
                 seq.status = SeqStatus.PREFILL
                 continue
-            seq.output_ids.append(sampled[seq.session_id])
+            assert seq.num_tokens == chunk.context_len + 1, "first token not appended"
             seq.status = SeqStatus.DECODE
             self._waiting.remove(seq)
             self._running.append(seq)
-        done = [s for s in self._running if s.remaining_new_tokens <= 0]
-        for seq in done:
-            self.finish(seq.session_id, FinishReason.LENGTH)
-        return done
 
     def discard_tick(self, plan: TickPlan) -> None:
         """Forget a plan whose forward pass failed: nothing advances, blocks stay ensured."""
@@ -270,7 +271,7 @@ class Scheduler:
 
     # ---- endings ------------------------------------------------------------------
 
-    def finish(self, session_id: str, reason: FinishReason = FinishReason.STOP) -> Sequence:
+    def finish(self, session_id: str) -> Sequence:
         """End a session in any state, free its KV, and return it marked FINISHED."""
         seq = self._seqs.pop(session_id)
         if seq.status is SeqStatus.DECODE:
@@ -278,10 +279,5 @@ class Scheduler:
         else:
             self._waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
         self.blocks.free(session_id)
         return seq
-
-    def abort(self, session_id: str, reason: FinishReason = FinishReason.CANCELLED) -> Sequence:
-        """`finish` for sessions ended from outside (cancel, deadline, error)."""
-        return self.finish(session_id, reason)

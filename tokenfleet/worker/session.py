@@ -1,16 +1,23 @@
-"""One job inside the engine: its request, sequence, sampler, text stream and timings.
+"""One job inside the engine: its request, emitted tokens, text stream, finish and timings.
 
-Everything a session produces goes through `accept`, one sampled token at a
-time, so a resumed session (crash recovery) rebuilds exactly the state the
-dead worker had by replaying the tokens it already emitted through the same
-path, without emitting them again.
+The session is the one record of a job's output: `emitted` (token ids, also the
+scheduler's `Sequence.output_ids`, the same list) and `events` (one `TokenEvent`
+per emitted token, built once, published as is). Everything it produces goes
+through `accept`, one sampled token at a time, and `accept` alone decides when
+the job ends (stop token, stop string, length). A resumed session (crash
+recovery) rebuilds exactly the state the dead worker had by replaying the tokens
+it already emitted through the same path, without emitting them again.
+
+`terminal` builds every terminal message (finish event + stored result): the
+engine's finishes and rejections and the worker's dead letters alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from tokenfleet.model import IncrementalDetokenizer, SamplingState
+from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import (
     ErrorInfo,
     FinishEvent,
@@ -21,26 +28,67 @@ from tokenfleet.protocol import (
     Usage,
 )
 from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.runner import ResolvedSampling
 from tokenfleet.worker.scheduler import Sequence
 from tokenfleet.worker.stops import StopStrings
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A job that ended: its terminal event and the result to store."""
+
+    event: FinishEvent
+    result: JobResult
+
+    @property
+    def job_id(self) -> str:
+        return self.event.job_id
+
+
+def terminal(
+    job_id: str,
+    reason: FinishReason,
+    worker: str | None,
+    *,
+    error: ErrorInfo | None = None,
+    events: Seq[TokenEvent] = (),
+    usage: Usage | None = None,
+    timings: Timings | None = None,
+) -> Finished:
+    """The terminal event and stored result of a job; the result's text is always the
+    concatenation of its token events' texts."""
+    usage = usage or Usage()
+    timings = timings or Timings()
+    event = FinishEvent(
+        job_id=job_id, reason=reason, usage=usage, timings=timings, error=error, worker=worker
+    )
+    result = JobResult(
+        job_id=job_id,
+        text="".join(e.text for e in events),
+        token_ids=[e.token_id for e in events],
+        finish_reason=reason,
+        usage=usage,
+        timings=timings,
+        error=error,
+        worker=worker,
+    )
+    return Finished(event, result)
 
 
 @dataclass
 class Session:
     request: GenerationRequest
     prompt_ids: list[int]
-    sampling: SamplingState
+    sampling: ResolvedSampling
     detok: IncrementalDetokenizer | None  # None: the model has no tokenizer (ids only)
     stop_ids: frozenset[int]
     submitted_at: float  # unix seconds, from the job's state (for timings)
     scratch_bytes: int
     seq: Sequence | None = None  # set once admitted into the scheduler
     emitted: list[int] = field(default_factory=list)  # token ids of events 0..n-1
-    text_parts: list[str] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
     admitted_at: float | None = None
     first_token_at: float | None = None
-    finish_reason: FinishReason | None = None
-    error: ErrorInfo | None = None
     _stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,15 +112,16 @@ class Session:
         if token_id in self.stop_ids:
             return None, FinishReason.STOP
         index = len(self.emitted)
-        self.emitted.append(token_id)
         delta = self.detok.feed(token_id) if self.detok is not None else ""
         text, stopped = self._stops.push(delta)
         reason: FinishReason | None = FinishReason.STOP if stopped else None
-        if reason is None and len(self.emitted) >= self.max_new_tokens:
+        if reason is None and index + 1 >= self.max_new_tokens:
             reason = FinishReason.LENGTH
             text += self._trailing_text()  # the last event carries whatever was held back
-        self.text_parts.append(text)
-        return TokenEvent(job_id=self.job_id, index=index, token_id=token_id, text=text), reason
+        event = TokenEvent(job_id=self.job_id, index=index, token_id=token_id, text=text)
+        self.emitted.append(token_id)  # both or neither, should the text handling raise
+        self.events.append(event)
+        return event, reason
 
     def _trailing_text(self) -> str:
         """Text held back (partial characters, possible stop-string prefixes) at the end."""
@@ -82,36 +131,21 @@ class Session:
 
     def finish(
         self, reason: FinishReason, now: float, worker: str | None, error: ErrorInfo | None = None
-    ) -> tuple[FinishEvent, JobResult]:
-        """The terminal event and stored result.
-
-        The result's text is always the concatenation of the token events' texts; a
-        job cut short (cancel, deadline, error) drops what was still held back.
-        """
-        self.finish_reason = reason
-        self.error = error
-        usage = Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.emitted))
+    ) -> Finished:
+        """The terminal outcome; a job cut short (cancel, deadline, error) drops the text
+        still held back."""
         timings = Timings(
             queued_s=None if self.admitted_at is None else self.admitted_at - self.submitted_at,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted_at,
             total_s=now - self.submitted_at,
         )
-        event = FinishEvent(
-            job_id=self.job_id,
-            reason=reason,
+        usage = Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.emitted))
+        return terminal(
+            self.job_id,
+            reason,
+            worker,
+            error=error,
+            events=self.events,
             usage=usage,
             timings=timings,
-            error=error,
-            worker=worker,
         )
-        result = JobResult(
-            job_id=self.job_id,
-            text="".join(self.text_parts),
-            token_ids=list(self.emitted),
-            finish_reason=reason,
-            usage=usage,
-            timings=timings,
-            error=error,
-            worker=worker,
-        )
-        return event, result

@@ -63,6 +63,8 @@ class EngineStats:
         self.rejected: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.lost = 0  # jobs dropped because another worker owns them now
+        self.step_s = 0.0  # seconds inside Engine.step (every call, idle ones included)
+        self.forward_s = 0.0  # seconds inside the model runner's execute
 
     def record_tick(
         self,
@@ -80,6 +82,11 @@ class EngineStats:
         self._batch.append(decode_batch)
         self._recent.append(_TickSample(now - duration_s, now, prefill_tokens, decode_tokens))
         self._prune(now)
+
+    def record_step(self, duration_s: float, forward_s: float) -> None:
+        """One `Engine.step` call: its whole time and the part the model runner took."""
+        self.step_s += duration_s
+        self.forward_s += forward_s
 
     def record_rejection(self, reason: AdmissionReason) -> None:
         assert not reason.accepted, f"{reason} is not a rejection"
@@ -147,6 +154,8 @@ class EngineStats:
             "decode_tokens_per_s": decode_rate,
             "tick_ms_p50": 1000 * _percentile(ticks_sorted, 50),
             "tick_ms_p99": 1000 * _percentile(ticks_sorted, 99),
+            "step_s": self.step_s,
+            "forward_s": self.forward_s,
             "rejected_total": sum(self.rejected.values()),
             "rejected_by_reason": dict(self.rejected),
             "finished_by_reason": dict(self.finished),

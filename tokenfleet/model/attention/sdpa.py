@@ -1,0 +1,130 @@
+"""The portable backend: gather each sequence's context from the pool, then SDPA.
+
+Decode rows (one new token each) share ONE padded `scaled_dot_product_attention`
+call; each prefill chunk is attended on its own with a causal mask shifted by its
+start position. Attention only ever reads slots from a sequence's own block table:
+padding keys point at the row's own last real slot and are masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tokenfleet.model.batch import BatchPlan, DecodeGroup, PrefillSpan
+
+
+@dataclass(frozen=True)
+class _Decode:
+    rows: Tensor  # [B]
+    slots: Tensor  # [B * Lmax] flat context slots, row-major
+    mask: Tensor  # [B, 1, 1, Lmax] True where the key is part of the row's context
+    is_all_rows: bool
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    rows: slice
+    # Context slots [ctx] and the causal mask [num_new, ctx] shifted by start_pos. Both
+    # None for a chunk starting at position 0: it attends to its fresh K/V alone.
+    slots: Tensor | None
+    mask: Tensor | None
+
+
+@dataclass(frozen=True)
+class SdpaMeta:
+    decode: _Decode | None
+    prefills: tuple[_Prefill, ...]
+
+
+def _slots(table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    return table.long()[positions // block_size] * block_size + positions % block_size
+
+
+def _prepare_decode(group: DecodeGroup, block_size: int) -> _Decode:
+    device = group.block_tables.device
+    lens = group.context_lens.long()[:, None]  # [B, 1]
+    keys = torch.arange(group.max_context, device=device)[None, :]  # [1, Lmax]
+    pos = torch.minimum(keys, lens - 1)  # [B, Lmax]; padding repeats the last real slot
+    tables = group.block_tables.long()
+    slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
+    mask = (keys < lens)[:, None, None, :]
+    return _Decode(group.rows, slots.flatten(), mask, group.is_all_rows)
+
+
+def _prepare_prefill(span: PrefillSpan, block_size: int) -> _Prefill:
+    rows = slice(span.row_start, span.row_start + span.num_new)
+    if span.start_pos == 0:
+        return _Prefill(rows, None, None)
+    device = span.block_table.device
+    ctx = torch.arange(span.context_len, device=device)
+    pos = torch.arange(span.start_pos, span.context_len, device=device)
+    # query i sits at position start_pos + i and sees keys 0..start_pos + i
+    mask = ctx[None, :] <= pos[:, None]  # [num_new, ctx]
+    return _Prefill(rows, _slots(span.block_table, ctx, block_size), mask)
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def prepare(self, plan: BatchPlan) -> SdpaMeta:
+        decode = None if plan.decode is None else _prepare_decode(plan.decode, plan.block_size)
+        return SdpaMeta(decode, tuple(_prepare_prefill(p, plan.block_size) for p in plan.prefills))
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: object
+    ) -> Tensor:
+        assert isinstance(meta, SdpaMeta)
+        d = meta.decode
+        if d is not None and d.is_all_rows:  # the steady state: every row is a decode
+            return _decode_attention(q, k_cache, v_cache, d)
+        out = torch.empty_like(q)  # [T, H, hd]; every row is written below
+        if d is not None:
+            out.index_copy_(0, d.rows, _decode_attention(q[d.rows], k_cache, v_cache, d))
+        for p in meta.prefills:
+            out[p.rows] = _prefill_attention(q[p.rows], k[p.rows], v[p.rows], k_cache, v_cache, p)
+        return out
+
+
+def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, d: _Decode) -> Tensor:
+    """q: [B, H, hd] (one query per sequence) -> [B, H, hd]."""
+    b, h, hd = q.shape
+    kvh = k_cache.shape[1]
+    # index_select on the flat slot list: on CPU about 15x faster than k_cache[slots]
+    # with a 2-D index tensor.
+    keys = k_cache.index_select(0, d.slots).view(b, -1, kvh, hd).transpose(1, 2)  # [B,KVH,L,hd]
+    values = v_cache.index_select(0, d.slots).view(b, -1, kvh, hd).transpose(1, 2)
+    # GQA without copying K/V: the query heads sharing a KV head become that head's
+    # "query rows" (heads are grouped kv-major, as in repeat_interleave). Queries are
+    # independent in attention, so this is exact.
+    q_grouped = q.view(b, kvh, h // kvh, hd)  # [B, KVH, G, hd]
+    out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=d.mask)
+    return out.reshape(b, h, hd)
+
+
+def _prefill_attention(
+    q: Tensor, k_new: Tensor, v_new: Tensor, k_cache: Tensor, v_cache: Tensor, p: _Prefill
+) -> Tensor:
+    """q: [n, H, hd] for one sequence's chunk -> [n, H, hd]."""
+    if p.slots is None:  # chunk starts at position 0: its context is itself
+        keys, values = k_new, v_new  # [n, KVH, hd]
+    else:
+        keys = k_cache.index_select(0, p.slots)  # [ctx, KVH, hd]
+        values = v_cache.index_select(0, p.slots)
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.transpose(0, 1)  # [KVH, ctx, hd]
+    values = values.transpose(0, 1)
+    if group > 1:
+        keys = keys.repeat_interleave(group, dim=0)  # [H, ctx, hd]
+        values = values.repeat_interleave(group, dim=0)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),  # [H, n, hd]
+        keys,
+        values,
+        attn_mask=p.mask,
+        is_causal=p.mask is None,
+    )  # [H, n, hd]
+    return out.transpose(0, 1)

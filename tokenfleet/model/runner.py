@@ -1,0 +1,109 @@
+"""`TorchRunner`: the engine's `ModelRunner` for the torch Llama model.
+
+It owns the KV pool, the model's reusable tick buffers (through `LlamaModel`) and
+one sampler stream per session, and turns the scheduler's `TickPlan` into one
+forward pass plus one batched sample:
+
+    plan.decode + plan.prefill  ->  input ids + SeqInputs  ->  LlamaModel.forward
+    logits rows of the sampling entries  ->  Sampler.sample  ->  one token each
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from tokenfleet.model.batch import SeqInput
+from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.loader import LoadedModel
+from tokenfleet.model.sampling import Sampler, SamplingState
+from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.worker.runner import ModelSpec, ResolvedSampling
+from tokenfleet.worker.scheduler import DecodeStep, TickPlan
+
+ForwardObserver = Callable[[list[int], list[SeqInput]], None]
+
+
+class TorchRunner:
+    """`on_forward`, when given, sees every forward's input ids and sequences before it
+    runs (benchmarks record schedules with it; nothing else changes)."""
+
+    def __init__(self, loaded: LoadedModel, *, on_forward: ForwardObserver | None = None) -> None:
+        self.loaded = loaded
+        self.on_forward = on_forward
+        self.model = loaded.model
+        cfg = loaded.config
+        self._dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+        eos = () if loaded.tokenizer is None else loaded.tokenizer.eos_token_ids
+        self._spec = ModelSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            kv_dtype_bytes=self._dtype_bytes,
+            weight_bytes=loaded.weight_bytes,
+            vocab_size=cfg.vocab_size,
+            max_context=cfg.max_position_embeddings,
+            eos_token_ids=frozenset(eos) | frozenset(cfg.eos_token_ids),
+        )
+        self.kv: KVPool | None = None
+        self.sampler = Sampler()
+        self._streams: dict[str, SamplingState] = {}
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.loaded.tokenizer
+
+    def scratch_bytes(self, context_len: int) -> int:
+        # One decode token attending over its whole context: gathered K/V, scores,
+        # its logits row and sampling buffers.
+        return self.loaded.config.scratch_bytes(
+            1, context_len=context_len, logit_rows=1, dtype_bytes=self._dtype_bytes
+        )
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self.kv = self.model.new_kv_pool(num_blocks, block_size)
+
+    def execute(self, plan: TickPlan, sampling: Mapping[str, ResolvedSampling]) -> list[int]:
+        if self.kv is None:
+            raise RuntimeError("allocate_kv() before execute()")
+        ids: list[int] = []
+        seqs: list[SeqInput] = []
+        sample_rows: list[int] = []
+        states: list[SamplingState] = []
+        for row, entry in enumerate(plan.entries):
+            if isinstance(entry, DecodeStep):
+                ids.append(entry.token_id)
+                seqs.append(SeqInput(entry.block_table, entry.position, 1))
+            else:
+                ids.extend(entry.token_ids)
+                seqs.append(SeqInput(entry.block_table, entry.start, entry.length))
+                if not entry.samples:
+                    continue
+            sample_rows.append(row)
+            states.append(self._stream(entry.seq.session_id, entry.seq.output_ids, sampling))
+        if self.on_forward is not None:
+            self.on_forward(ids, seqs)
+        logits = self.model.forward(ids, seqs, self.kv)  # [entries, vocab]
+        if not sample_rows:
+            return []
+        if len(sample_rows) < len(seqs):
+            logits = logits[sample_rows]
+        return self.sampler.sample(logits, states)
+
+    def _stream(
+        self, session_id: str, emitted: list[int], sampling: Mapping[str, ResolvedSampling]
+    ) -> SamplingState:
+        state = self._streams.get(session_id)
+        if state is None:
+            # A resumed session skips the uniforms its emitted tokens used.
+            state = SamplingState.for_params(sampling[session_id], draws=len(emitted))
+            self._streams[session_id] = state
+        return state
+
+    def release(self, session_id: str) -> None:
+        self._streams.pop(session_id, None)

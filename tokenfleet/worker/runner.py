@@ -1,0 +1,99 @@
+"""The seam between the engine and a model: what the engine needs to know, and one call per tick.
+
+    runner.allocate_kv(num_blocks, block_size)          # once, from the node's budget
+    tokens = runner.execute(plan, sampling)              # every tick: one sampled token
+    runner.release(session_id)                           #   per plan.sampling_ids entry
+
+The engine (admission, scheduling, job lifecycle) holds no torch and no model:
+everything it knows about one comes from `ModelSpec` and `scratch_bytes`, and
+everything it asks of one is `execute`. `TorchRunner` (`tokenfleet.model.runner`)
+is today's implementation; a static-shape or CUDA-graph runner, or another
+engine backend, implements the same four methods. A fake runner in the tests
+drives the whole engine with torch not even importable.
+
+A runner owns what is per session on its side (a sampler's random stream) and
+frees it in `release`; the KV blocks themselves are the scheduler's, and the
+plan's block tables say where each token's K/V lives.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from tokenfleet.kv import KVLayout
+
+if TYPE_CHECKING:
+    from tokenfleet.model.tokenizer import Tokenizer
+    from tokenfleet.worker.scheduler import TickPlan
+
+
+@dataclass(frozen=True)
+class ResolvedSampling:
+    """How one session picks its tokens: validated once, when the job is read."""
+
+    temperature: float = 0.0  # 0 = greedy argmax
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1 = no nucleus filter
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def create(
+        cls, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+    ) -> ResolvedSampling:
+        """Validated parameters; a random seed when `seed` is None."""
+        return cls(temperature, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about a model to budget and validate jobs for it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int  # bytes of one cached K or V element
+    weight_bytes: int  # resident bytes of the weights
+    vocab_size: int
+    max_context: int  # prompt + generated tokens one session may reach
+    eos_token_ids: frozenset[int]
+
+    def kv_layout(self, block_size: int) -> KVLayout:
+        return KVLayout(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.kv_dtype_bytes, block_size
+        )
+
+
+class ModelRunner(Protocol):
+    """A model the engine can run: see the module docstring for the call sequence."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer; None when jobs must send token ids."""
+
+    def scratch_bytes(self, context_len: int) -> int:
+        """Activation memory one session needs for a decode step over `context_len` tokens."""
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """Allocate the KV pool the plans' block tables index into (called once)."""
+
+    def execute(self, plan: TickPlan, sampling: Mapping[str, ResolvedSampling]) -> list[int]:
+        """Run one tick: write every planned token's K/V and return one sampled token per
+        `plan.sampling_ids` entry, in that order. `sampling` holds those sessions'
+        parameters. Raising means no token of this plan was sampled."""
+
+    def release(self, session_id: str) -> None:
+        """Forget a session that ended or moved away (a no-op for one never executed)."""
