@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test test-fast lint demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The edit-test loop: pure-core tests only (see FAST_MODULES in tests/conftest.py), on one
+# torch thread (on a busy small machine a second one mostly waits for a core).
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m fast
 
 lint: $(STAMP)
 	$(BIN)/ruff check tokenfleet tests bench

@@ -1,11 +1,9 @@
-"""Shared by the bench scripts: machine facts, model configs, workloads, timing, and the
-transformers baselines that tokenfleet is measured against on identical weights."""
+"""Shared by the bench scripts: model configs, workloads, timing, and the transformers
+baselines that tokenfleet is measured against on identical weights (machine facts and
+report output: report.py)."""
 
 from __future__ import annotations
 
-import datetime as dt
-import os
-import platform
 import queue
 import random
 import time
@@ -34,31 +32,6 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
     ),
 }
-
-
-def machine_info() -> dict[str, Any]:
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "loadavg_at_start": [round(x, 2) for x in load],
-    }
 
 
 def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Any:

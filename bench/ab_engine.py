@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import build_checkpoint, machine_info, mixed_jobs
+from _common import build_checkpoint, mixed_jobs
+from report import loadavg, machine_info, mark_end, spread, write_report
 
 # Runs under the tree's tokenfleet; argv: checkpoint folder, jobs JSON, reps.
 ROUND = r"""
@@ -100,11 +101,11 @@ def bench_config(
         order = list(trees)
         for r in range(rounds):
             for label in order if r % 2 == 0 else order[::-1]:  # ABBA
-                loads.append(os.getloadavg()[0])
+                loads.append(loadavg()[0])
                 got = run_round(trees[label], folder, jobs, reps, threads)
                 per_tree[label].extend(useful / s for s in got["seconds"])
                 tokens[label] = got["tokens"]
-            print(f"  {name} round {r + 1}/{rounds}, load {os.getloadavg()[0]:.2f}", flush=True)
+            print(f"  {name} round {r + 1}/{rounds}, load {loadavg()[0]:.2f}", flush=True)
     first = next(iter(tokens.values()))
     result: dict[str, Any] = {
         "useful_tokens": useful,
@@ -113,15 +114,7 @@ def bench_config(
         "threads": threads,
         "load_min_max": [min(loads), max(loads)],
         "same_tokens": all(t == first for t in tokens.values()),
-        "tok_s": {
-            label: {
-                "min": min(v),
-                "median": statistics.median(v),
-                "max": max(v),
-                "runs": v,
-            }
-            for label, v in per_tree.items()
-        },
+        "tok_s": {label: {**spread(v), "runs": v} for label, v in per_tree.items()},
     }
     labels = list(trees)
     if len(labels) == 2:
@@ -152,10 +145,8 @@ def main() -> None:
                 " tok/s (min / median / max)"
             )
         print(f"{name} same tokens: {res['same_tokens']}; {res.get('median_ratio')}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    mark_end(results["machine"])
+    print(f"wrote {write_report(Path(args.out), results)}")
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
 """End to end through Redis: the engine benchmark's mixed workload, on the same weights,
-through `tokenfleet worker` processes vs the engine in process, in the same run.
+through `tokenfleet worker` processes vs the engine in process, in the same run; and,
+with `--tree`, the same for other checkouts of the code, rounds interleaved.
 
 Usage: python bench/e2e.py [--configs tiny,small] [--workers 1,2,4] [--threads 2,1]
+                           [--tree new=. --tree old=/tmp/old | --trees new=.,old=/tmp/old]
                            [--quick] [--out bench/out/e2e.json] [--plot docs/img/e2e.png]
 
 Per config: one checkpoint (bench/_common.py's `build_checkpoint`), one embedded
 redis-server, and blocks of k worker processes × t torch threads each: one block per
 `--threads` value for k = 1 (default: all cores, then 1), one thread each for k > 1.
-Each block starts its workers and warms them up (a small job, then an untimed round)
-before any clock runs, then alternates rounds between
-  in process     `Engine` in this process with the 1-worker node's EngineConfig (the
-                 one its CLI flags build) and the block's torch threads per worker,
-                 stepped until done;
-  through Redis  `Producer.submit_many`, every job followed by `JobHandle.stream()`
-                 in its own thread (subscribed before the submit), token arrival
-                 times taken as the client sees them.
+Per code tree (default: this checkout), a block runs k plain `tokenfleet worker`
+processes of that tree (PYTHONPATH and cwd = the tree, a key prefix of its own) and
+one engine process of that tree (bench/e2e_inprocess.py). Each tree's side is warmed up
+(a small job, then an untimed round in both modes) before any clock runs; then each
+round alternates, trees in rotating order, between
+  in process     `Engine` in the tree's engine process with the 1-worker node's
+                 EngineConfig (the one its CLI flags build) and the block's torch
+                 threads per worker, stepped until done;
+  through Redis  `Producer.submit_many` (this checkout's client, for every tree), every
+                 job followed by `JobHandle.stream()` in its own thread (subscribed
+                 before the submit), token arrival times taken as the client sees them.
 Each round runs two scenarios in both modes:
   all at once  the 16 mixed jobs submitted together: wall time until the last finish
                event, useful tokens/s (= generated tokens, ignore_eos), TTFT
@@ -22,8 +27,8 @@ Each round runs two scenarios in both modes:
   burst        the 4 longest jobs first; once each has 8 tokens the other 12 are
                submitted at once; inter-token gaps of the 4 that end in the burst
                window [burst submit, last burst job's first token].
-Workers run under a shim that adds the seconds spent inside `Engine.step` to their
-heartbeat (nothing else changes), so the run can say where the time went.
+The seconds workers spent inside `Engine.step` come from their heartbeats (`step_s`);
+a tree whose heartbeat lacks it reports them as unavailable.
 k > 1: each worker holds 16/k sessions (--max-active/--max-batch, --max-waiting 0) so
 the fleet, not the first reader, spreads the jobs.
 Prints a table, writes JSON (and a PNG). `--quick`: one round per block, for development.
@@ -32,61 +37,45 @@ Prints a table, writes JSON (and a PNG). `--quick`: one round per block, for dev
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
-import torch
-from _common import Job, build_checkpoint, machine_info, mixed_jobs, num_params
+from _common import Job, build_checkpoint, mixed_jobs, num_params
+from e2e_inprocess import BURST_AFTER, LONG, EngineProcess, Trace, Tree
+from e2e_report import markdown, plot, table
 from engine import Settings as EngineSettings
+from report import (
+    load_now,
+    machine_info,
+    mark_end,
+    mean_or_none,
+    pct,
+    progress,
+    write_report,
+    wrote,
+)
 
 from tokenfleet.keys import Keys
-from tokenfleet.local import EmbeddedRedis
-from tokenfleet.model import LoadedModel, load_model
+from tokenfleet.local import EmbeddedRedis, LocalWorkers, cpu_seconds
 from tokenfleet.producer import Producer
-from tokenfleet.protocol import FinishEvent, GenerationRequest, TokenEvent
-from tokenfleet.worker.engine import Engine, EngineConfig
+from tokenfleet.protocol import GenerationRequest, TokenEvent
 from tokenfleet.worker.publish import queue_event
-from tokenfleet.worker.recovery import live_workers
 
 MiB = 1024 * 1024
-LONG = 4  # sessions in flight when the burst arrives
-BURST_AFTER = 8  # tokens each of them has before the burst is submitted
 TIMEOUT_S = 300.0
+BENCH = Path(__file__).resolve().parent
 EXTRA_WORKER_ARGS: list[str] = []  # --worker-args: more `tokenfleet worker` flags (A/B runs)
-
-# Runs `tokenfleet worker` unchanged except that the seconds inside Engine.step reach
-# the heartbeat (as bench_step_s), so the loop's own time can be told apart.
-WORKER_SHIM = """
-import sys, time
-from tokenfleet.worker.engine import Engine
-_step, _telemetry = Engine.step, Engine.telemetry
-def step(self):
-    start = time.perf_counter()
-    try:
-        return _step(self)
-    finally:
-        self.bench_step_s = getattr(self, "bench_step_s", 0.0) + time.perf_counter() - start
-def telemetry(self):
-    return {**_telemetry(self), "bench_step_s": getattr(self, "bench_step_s", 0.0)}
-Engine.step, Engine.telemetry = step, telemetry
-from tokenfleet.cli import main
-sys.argv = ["tokenfleet", *sys.argv[1:]]
-main()
-"""
 
 
 @dataclass(frozen=True)
@@ -100,14 +89,15 @@ class NodeFlags:
     threads: int
     prefill_tokens: int = 256
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            kv_budget_bytes=self.kv_mb * MiB,
-            max_active=self.max_active,
-            max_batch_size=self.max_batch,
-            max_prefill_tokens_per_tick=self.prefill_tokens,
-            max_waiting=self.max_waiting,
-        )
+    def engine_config(self) -> dict[str, int]:
+        """EngineConfig keyword arguments (the engine process builds it from its tree)."""
+        return {
+            "kv_budget_bytes": self.kv_mb * MiB,
+            "max_active": self.max_active,
+            "max_batch_size": self.max_batch,
+            "max_prefill_tokens_per_tick": self.prefill_tokens,
+            "max_waiting": self.max_waiting,
+        }
 
     def cli(self) -> list[str]:
         return [
@@ -117,11 +107,13 @@ class NodeFlags:
         ]
 
 
-def node_flags(loaded: LoadedModel, jobs: list[Job], workers: int, threads: int) -> NodeFlags:
+def node_flags(config: Any, jobs: list[Job], workers: int, threads: int) -> NodeFlags:
     """bench/engine.py's `new_engine` budget for a batch of all the jobs (rounded up to
-    whole MiB for the CLI); k workers share the sessions."""
-    cfg = loaded.config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    whole MiB for the CLI); k workers share the sessions. `config`: the checkpoint's
+    LlamaConfig."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = config.num_key_value_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4  # fp32 K and V
     longest = max(len(j.prompt_ids) + j.max_new for j in jobs) + 16
     kv_mb = math.ceil(max(16 * MiB, 2 * per_token * longest * len(jobs)) / MiB)
     if workers == 1:
@@ -148,93 +140,7 @@ def scenario(jobs: list[Job], tag: str, burst: bool) -> list[list[GenerationRequ
     return [[reqs[i] for i in longest], [r for i, r in enumerate(reqs) if i not in longest]]
 
 
-# ---- one run, either mode ----------------------------------------------------------
-
-
-@dataclass
-class Trace:
-    """perf_counter times of one run: when each job was submitted, when each token and
-    the finish event arrived (at the client, or after the step that produced them)."""
-
-    groups: list[list[str]]
-    submitted: dict[str, float] = field(default_factory=dict)
-    arrivals: dict[str, list[float]] = field(default_factory=dict)
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    finished_at: dict[str, float] = field(default_factory=dict)
-    finish: dict[str, FinishEvent] = field(default_factory=dict)
-    step_s: float = 0.0  # in process: time inside Engine.step
-    ticks: int = 0
-
-    @property
-    def t0(self) -> float:
-        return min(self.submitted.values())
-
-    @property
-    def wall_s(self) -> float:
-        return max(self.finished_at.values()) - self.t0
-
-    @property
-    def useful_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens.values())
-
-    def ttft_s(self, ids: Sequence[str] | None = None) -> list[float]:
-        ids = list(self.submitted) if ids is None else ids
-        return [self.arrivals[j][0] - self.submitted[j] for j in ids]
-
-    def queued_s(self) -> list[float]:
-        return [f.timings.queued_s for f in self.finish.values() if f.timings.queued_s is not None]
-
-    def burst_gaps_s(self) -> list[float]:
-        """Gaps between consecutive tokens of the first group's jobs that end inside the
-        window from the burst's submit to the last burst job's first token."""
-        if len(self.groups) < 2:
-            return []
-        start = min(self.submitted[j] for j in self.groups[1])
-        end = max(self.arrivals[j][0] for j in self.groups[1])
-        gaps = []
-        for j in self.groups[0]:
-            a = self.arrivals[j]
-            gaps += [b - a_ for a_, b in itertools.pairwise(a) if start < b <= end]
-        return gaps
-
-    def all_gaps_s(self) -> list[float]:
-        return [b - a for t in self.arrivals.values() for a, b in itertools.pairwise(t)]
-
-
-def run_inprocess(
-    loaded: LoadedModel, flags: NodeFlags, groups: list[list[GenerationRequest]]
-) -> Trace:
-    """Submit the first group, step; submit the next once every job of the first has
-    BURST_AFTER tokens. Event times are taken when the step that made them returns."""
-    engine = Engine(loaded, flags.engine_config())
-    trace = Trace([[r.job_id for r in g] for g in groups])
-    for g in groups:
-        for r in g:
-            trace.arrivals[r.job_id], trace.tokens[r.job_id] = [], []
-    waiting = list(groups)
-
-    def submit_next() -> None:
-        now = time.perf_counter()
-        for r in waiting.pop(0):
-            trace.submitted[r.job_id] = now
-            assert engine.submit(r).accepted
-
-    submit_next()
-    while engine.has_work or waiting:
-        if waiting and all(len(trace.tokens[j]) >= BURST_AFTER for j in trace.groups[0]):
-            submit_next()
-        start = time.perf_counter()
-        out = engine.step()
-        now = time.perf_counter()
-        trace.step_s += now - start
-        for event in out.tokens:
-            trace.arrivals[event.job_id].append(now)
-            trace.tokens[event.job_id].append(event.token_id)
-        for done in out.finished:
-            trace.finished_at[done.job_id] = now
-            trace.finish[done.job_id] = done.event
-    trace.ticks = engine.stats.ticks
-    return trace
+# ---- through Redis ------------------------------------------------------------------
 
 
 class Follower(threading.Thread):
@@ -286,101 +192,13 @@ def run_redis(producer: Producer, groups: list[list[GenerationRequest]]) -> Trac
             trace.submitted[r.job_id] = now
     for j, f in followers.items():
         f.join(TIMEOUT_S)
-        if f.error is not None or f.is_alive() or f.handle.finish is None:
+        finish = f.handle.finish
+        if f.error is not None or f.is_alive() or finish is None:
             raise RuntimeError(f"job {j} did not finish: {f.error!r}")
         trace.arrivals[j], trace.tokens[j] = f.arrivals, f.tokens
-        trace.finished_at[j], trace.finish[j] = f.finished_at, f.handle.finish
+        trace.finished_at[j] = f.finished_at
+        trace.queued[j], trace.worker[j] = finish.timings.queued_s, finish.worker
     return trace
-
-
-# ---- the fleet ----------------------------------------------------------------------
-
-
-def load_now() -> dict[str, Any]:
-    """Load average and the share of the last 60 s some task waited for a CPU (Linux PSI)."""
-    pressure = None
-    try:
-        some = Path("/proc/pressure/cpu").read_text().splitlines()[0].split()
-        pressure = float(dict(f.split("=") for f in some[1:])["avg60"])
-    except (OSError, ValueError, KeyError, IndexError):
-        pass
-    return {"loadavg": [round(x, 2) for x in os.getloadavg()], "cpu_pressure_avg60": pressure}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Fleet:
-    """k worker processes on one checkpoint and one Redis prefix."""
-
-    def __init__(self, url: str, prefix: str, model_dir: str, flags: NodeFlags, k: int) -> None:
-        self.keys = Keys(prefix)
-        self.client = redis.Redis.from_url(url)
-        self.producer = Producer(self.client, keys=self.keys)
-        self.logs = tempfile.TemporaryDirectory(prefix="tokenfleet-e2e-")
-        args = ["--redis-url", url, "--prefix", prefix, "--model", model_dir, "--device", "cpu"]
-        args += ["--dtype", "float32", *flags.cli(), *EXTRA_WORKER_ARGS]
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        for i in range(k):
-            name = f"e2e-{os.getpid()}-{i}"
-            log = open(Path(self.logs.name) / f"{name}.log", "wb")  # noqa: SIM115
-            self.procs[name] = subprocess.Popen(
-                [sys.executable, "-c", WORKER_SHIM, "worker", *args, "--name", name],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        self.pids = {name: p.pid for name, p in self.procs.items()}
-
-    def wait_live(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while len(live_workers(self.client, self.keys)) < len(self.procs):
-            dead = [n for n, p in self.procs.items() if p.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"workers did not come up (exited: {dead}); {self.log_tail()}")
-            time.sleep(0.1)
-
-    def settle(self, timeout: float = 15) -> dict[str, dict[str, Any]]:
-        """Wait for a heartbeat from every worker written after now with nothing held;
-        return the heartbeats (ticks, bench_step_s, ... as of the end of the last run)."""
-        since = time.time()
-        deadline = time.monotonic() + timeout
-        while True:
-            # Scores first: a heartbeat's HSET lands before its ZADD, so hashes read after
-            # a fresh score are at least that fresh.
-            stamps = [self.client.zscore(self.keys.workers(), n) or 0 for n in self.procs]
-            live = live_workers(self.client, self.keys)
-            beats = {n: live.get(n, {}) for n in self.procs}
-            if all(s >= since for s in stamps) and all(
-                b.get("held_jobs") == 0 and b.get("active") == 0 for b in beats.values()
-            ):
-                return beats
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workers did not settle: {beats}")
-            time.sleep(0.05)
-
-    def cpu(self) -> dict[str, float]:
-        return {n: cpu_seconds(pid) for n, pid in self.pids.items()}
-
-    def log_tail(self) -> str:
-        return " | ".join(
-            p.read_text()[-800:] for p in Path(self.logs.name).glob("*.log") if p.stat().st_size
-        )
-
-    def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        self.client.close()
-        self.logs.cleanup()
 
 
 def redis_costs(url: str, batch: int, reps: int = 200) -> dict[str, float]:
@@ -420,7 +238,7 @@ def redis_costs(url: str, batch: int, reps: int = 200) -> dict[str, float]:
     return out
 
 
-# ---- one config ---------------------------------------------------------------------
+# ---- one block ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -440,16 +258,6 @@ class Settings:
     @classmethod
     def quick(cls, blocks: list[tuple[int, int]]) -> Settings:
         return cls(blocks, {"tiny": 1, "small": 1})
-
-
-def pct(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100); NaN when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def summarise(runs: list[Trace], bursts: list[Trace]) -> dict[str, Any]:
@@ -487,71 +295,113 @@ def matches(a: Trace, b: Trace) -> int:
     return sum(a.tokens[x] == b.tokens[y] for x, y in zip(ids_a, ids_b, strict=True))
 
 
+Heartbeats = dict[str, dict[str, Any]]
+CpuSample = tuple[dict[str, float], float, float]  # workers, redis-server, this process
+
+
+@dataclass
+class Side:
+    """One tree in one block: its workers, its engine process, what they measured."""
+
+    tree: Tree
+    workers: LocalWorkers
+    producer: Producer
+    engine: EngineProcess
+    redis_pid: int
+    inproc: dict[str, list[Trace]] = field(default_factory=lambda: {"all": [], "burst": []})
+    through: dict[str, list[Trace]] = field(default_factory=lambda: {"all": [], "burst": []})
+    per_round: list[dict[str, Any]] = field(default_factory=list)
+    before: Heartbeats = field(default_factory=dict)  # the heartbeats after the last run
+
+    def measure(
+        self, mode: str, kind: str, groups: list[list[GenerationRequest]], flags: NodeFlags
+    ) -> None:
+        if mode == "inproc":
+            self.inproc[kind].append(self.engine.run(flags.engine_config(), flags.threads, groups))
+            return
+        cpu_before = self.cpu()
+        trace = run_redis(self.producer, groups)
+        cpu_after = self.cpu()
+        after = self.workers.settle()
+        self.through[kind].append(trace)
+        self.per_round.append(round_stats(kind, trace, self.before, after, cpu_before, cpu_after))
+        self.before = after
+
+    def cpu(self) -> CpuSample:
+        return self.workers.cpu_seconds(), cpu_seconds(self.redis_pid), time.process_time()
+
+
 def bench_workers(
     name: str,
     k: int,
     threads: int,
-    url: str,
-    redis_pid: int,
+    server: EmbeddedRedis,
     model_dir: str,
-    loaded: LoadedModel,
+    config: Any,
     jobs: list[Job],
     rounds: int,
+    engines: dict[str, EngineProcess],
     log: Callable[[str], None],
 ) -> dict[str, Any]:
-    base = node_flags(loaded, jobs, 1, threads)  # the in-process engine: a 1-worker node
-    flags = node_flags(loaded, jobs, k, threads)
-    torch.set_num_threads(base.threads)
+    base = node_flags(config, jobs, 1, threads)  # the in-process engine: a 1-worker node
+    flags = node_flags(config, jobs, k, threads)
+    assert server.pid is not None
     load_at_start = load_now()
-    fleet = Fleet(url, f"bench-e2e-{name}-{k}x{threads}:", model_dir, flags, k)
-    inproc: dict[str, list[Trace]] = {"all": [], "burst": []}
-    through: dict[str, list[Trace]] = {"all": [], "burst": []}
-    per_round: list[dict[str, Any]] = []
+    logs = tempfile.TemporaryDirectory(prefix="tokenfleet-e2e-")
+    sides: list[Side] = []
     try:
-        fleet.wait_live()
+        for tree_name, engine in engines.items():  # each tree: k workers of its own code
+            prefix = f"bench-e2e-{name}-{k}x{threads}-{tree_name}:"
+            args = ["--model", model_dir, "--device", "cpu", "--dtype", "float32"]
+            workers = LocalWorkers(
+                server.url,
+                prefix,
+                [*args, *flags.cli(), *EXTRA_WORKER_ARGS],
+                log_dir=Path(logs.name),
+                env=engine.tree.env(),
+                cwd=engine.tree.path,
+            )
+            producer = Producer(redis.Redis.from_url(server.url), keys=Keys(prefix))
+            sides.append(Side(engine.tree, workers, producer, engine, server.pid))
+            workers.start(k, name_prefix=f"e2e-{tree_name}")
+        for side in sides:
+            side.workers.wait_live()
         # Warm up: a small job, then an untimed all-at-once round in both modes.
-        warm = GenerationRequest(
-            job_id="warm", prompt_ids=jobs[0].prompt_ids[:8], max_new_tokens=4, ignore_eos=True
-        )
-        fleet.producer.submit(warm).result(timeout=TIMEOUT_S)
-        run_inprocess(loaded, base, scenario(jobs, "warm-all", False))
-        run_redis(fleet.producer, scenario(jobs, "warm-all", False))
-        before = fleet.settle()
+        for side in sides:
+            warm = GenerationRequest(
+                job_id="warm", prompt_ids=jobs[0].prompt_ids[:8], max_new_tokens=4, ignore_eos=True
+            )
+            side.producer.submit(warm).result(timeout=TIMEOUT_S)
+            side.engine.run(base.engine_config(), base.threads, scenario(jobs, "warm-all", False))
+            run_redis(side.producer, scenario(jobs, "warm-all", False))
+            side.before = side.workers.settle()
         for i in range(rounds):
             for burst in (False, True):
                 kind = "burst" if burst else "all"
                 tag = f"r{i}-{kind}"
                 order = ("inproc", "redis") if i % 2 == 0 else ("redis", "inproc")
-                for mode in order:
-                    if mode == "inproc":
-                        inproc[kind].append(run_inprocess(loaded, base, scenario(jobs, tag, burst)))
-                        continue
-                    cpu_before = fleet.cpu(), cpu_seconds(redis_pid), time.process_time()
-                    trace = run_redis(fleet.producer, scenario(jobs, tag, burst))
-                    cpu_after = fleet.cpu(), cpu_seconds(redis_pid), time.process_time()
-                    after = fleet.settle()
-                    through[kind].append(trace)
-                    per_round.append(round_stats(kind, trace, before, after, cpu_before, cpu_after))
-                    before = after
-            a, b = inproc["all"][-1], through["all"][-1]
-            log(
-                f"  {name} {k}x{threads} round {i}: in process "
-                f"{a.useful_tokens / a.wall_s:.0f} tok/s, "
-                f"through Redis {b.useful_tokens / b.wall_s:.0f} tok/s "
-                f"({b.wall_s / a.wall_s:.3f}x the time)"
-            )
+                turn = i % len(sides)  # trees take turns going first, so drift hits each
+                for side in sides[turn:] + sides[:turn]:
+                    for mode in order:
+                        side.measure(mode, kind, scenario(jobs, tag, burst), base)
+            for side in sides:
+                a, b = side.inproc["all"][-1], side.through["all"][-1]
+                log(
+                    f"  {name} {k}x{threads} {side.tree.name} round {i}: in process "
+                    f"{a.useful_tokens / a.wall_s:.0f} tok/s, "
+                    f"through Redis {b.useful_tokens / b.wall_s:.0f} tok/s "
+                    f"({b.wall_s / a.wall_s:.3f}x the time)"
+                )
     except BaseException:
-        log(f"worker logs: {fleet.log_tail()}")
+        for side in sides:
+            log(f"{side.tree.name} worker logs: {side.workers.log_tail()}")
         raise
     finally:
-        fleet.stop()
-    ours, ref = (
-        summarise(through["all"], through["burst"]),
-        summarise(inproc["all"], inproc["burst"]),
-    )
-    pairs = [*zip(through["all"], inproc["all"], strict=True)]
-    pairs += zip(through["burst"], inproc["burst"], strict=True)
-    all_rounds = [r for r in per_round if r["scenario"] == "all"]
+        for side in sides:
+            side.workers.drain()
+            side.producer.redis.close()
+        logs.cleanup()
+    first = sides[0]
     return {
         "load_at_start": load_at_start,
         "load_at_end": load_now(),
@@ -559,35 +409,56 @@ def bench_workers(
         "worker_flags": asdict(flags),
         "in_process_flags": asdict(base),
         "rounds": rounds,
+        "trees": {side.tree.name: tree_result(side, first) for side in sides},
+    }
+
+
+def tree_result(side: Side, first: Side) -> dict[str, Any]:
+    ours = summarise(side.through["all"], side.through["burst"])
+    ref = summarise(side.inproc["all"], side.inproc["burst"])
+    pairs = [*zip(side.through["all"], side.inproc["all"], strict=True)]
+    pairs += zip(side.through["burst"], side.inproc["burst"], strict=True)
+    all_rounds = [r for r in side.per_round if r["scenario"] == "all"]
+    return {
         "in_process": ref
         | {
-            "ticks": [t.ticks for t in inproc["all"]],
-            "step_s": [t.step_s for t in inproc["all"]],
+            "ticks": [t.ticks for t in side.inproc["all"]],
+            "step_s": [t.step_s for t in side.inproc["all"]],
         },
         "through_redis": ours,
         "ratio_best": ours["tok_s_best"] / ref["tok_s_best"],
         "ratio_median": ours["tok_s_median"] / ref["tok_s_median"],
         "tokens_match": min(matches(x, y) for x, y in pairs),
-        "tokens_compared": len(jobs),
-        "per_round": per_round,
+        "tokens_compared": len(side.inproc["all"][0].tokens),
+        # greedy tokens equal to the first tree's, in process (the engines agree)
+        "tokens_match_first_tree": matches(side.inproc["all"][0], first.inproc["all"][0]),
+        "per_round": side.per_round,
         "worker_ticks_mean": statistics.mean(r["worker_ticks"] for r in all_rounds),
-        "worker_step_s_mean": statistics.mean(r["worker_step_s"] for r in all_rounds),
-        "in_process_step_s_mean": statistics.mean(t.step_s for t in inproc["all"]),
+        "worker_step_s_mean": mean_or_none(r["worker_step_s"] for r in all_rounds),
+        "in_process_step_s_mean": statistics.mean(t.step_s for t in side.inproc["all"]),
     }
+
+
+def step_seconds(before: Heartbeats, after: Heartbeats) -> float | None:
+    """Seconds the workers spent inside Engine.step between two heartbeats (summed), or
+    None when a heartbeat lacks `step_s` (a tree from before the engine published it)."""
+    if not all("step_s" in before[n] and "step_s" in after[n] for n in after):
+        return None
+    return float(sum(after[n]["step_s"] - before[n]["step_s"] for n in after))
 
 
 def round_stats(
     kind: str,
     trace: Trace,
-    before: dict[str, dict[str, Any]],
-    after: dict[str, dict[str, Any]],
-    cpu_before: tuple[dict[str, float], float, float],
-    cpu_after: tuple[dict[str, float], float, float],
+    before: Heartbeats,
+    after: Heartbeats,
+    cpu_before: CpuSample,
+    cpu_after: CpuSample,
 ) -> dict[str, Any]:
     """Where one run through Redis spent its time (worker heartbeats, /proc CPU)."""
     jobs_by_worker: dict[str, int] = {}
-    for f in trace.finish.values():
-        jobs_by_worker[f.worker or "?"] = jobs_by_worker.get(f.worker or "?", 0) + 1
+    for worker in trace.worker.values():
+        jobs_by_worker[worker or "?"] = jobs_by_worker.get(worker or "?", 0) + 1
     return {
         "scenario": kind,
         "wall_s": trace.wall_s,
@@ -595,7 +466,7 @@ def round_stats(
         "queued_s": trace.queued_s(),
         "jobs_by_worker": jobs_by_worker,
         "worker_ticks": sum(after[n]["ticks"] - before[n]["ticks"] for n in after),
-        "worker_step_s": sum(after[n]["bench_step_s"] - before[n]["bench_step_s"] for n in after),
+        "worker_step_s": step_seconds(before, after),
         "cpu_s": {
             "workers": sum(cpu_after[0][n] - cpu_before[0][n] for n in cpu_after[0]),
             "redis_server": cpu_after[1] - cpu_before[1],
@@ -604,35 +475,33 @@ def round_stats(
     }
 
 
-def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+def bench_config(
+    name: str, s: Settings, trees: list[Tree], log: Callable[[str], None]
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         hf = build_checkpoint(name, Path(folder))
-        params = num_params(hf)
+        params, config = num_params(hf), hf.config
         del hf
-        loaded = load_model(folder, dtype="float32", device="cpu")
         w = EngineSettings.full()  # the engine benchmark's mixed workload, unchanged
-        jobs = mixed_jobs(w.mixed_n, w.mixed_prompt, w.mixed_new, loaded.config.vocab_size)
+        jobs = mixed_jobs(w.mixed_n, w.mixed_prompt, w.mixed_new, config.vocab_size)
         server = EmbeddedRedis.start()
         assert server.kind == "redis-server", "install redis-server: fakeredis is not comparable"
-        assert server._proc is not None
+        engines: dict[str, EngineProcess] = {}
         try:
+            for tree in trees:
+                engines[tree.name] = EngineProcess(
+                    tree, folder, Path(folder) / f"engine-{tree.name}.log"
+                )
             costs = redis_costs(server.url, len(jobs))
             blocks = {
                 f"{k}x{t}": bench_workers(
-                    name,
-                    k,
-                    t,
-                    server.url,
-                    server._proc.pid,
-                    folder,
-                    loaded,
-                    jobs,
-                    s.rounds[name],
-                    log,
+                    name, k, t, server, folder, config, jobs, s.rounds[name], engines, log
                 )
                 for k, t in s.blocks
             }
         finally:
+            for engine in engines.values():
+                engine.close()
             server.stop()
     return {
         "params": params,
@@ -646,172 +515,13 @@ def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str
     }
 
 
-# ---- output -------------------------------------------------------------------------
-
-
-def ms(seconds: float) -> str:
-    return f"{1000 * seconds:.1f}"
-
-
-def labels(b: dict[str, Any]) -> tuple[str, str]:
-    """(in-process label, through-Redis label) of one block."""
-    t_in, k, t = b["in_process_flags"]["threads"], b["workers"], b["worker_flags"]["threads"]
-    return (
-        f"in process, {t_in} thread{'s' * (t_in > 1)}",
-        f"Redis, {k} worker{'s' * (k > 1)} × {t} thread{'s' * (t > 1)}",
-    )
-
-
-LATENCIES = (
-    "ttft_p50_s",
-    "ttft_p99_s",
-    "queued_p50_s",
-    "queued_p99_s",
-    "burst_gap_p50_s",
-    "burst_gap_p99_s",
-)
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """The tables docs/benchmarks.md shows, generated so no number is copied by hand."""
-    lines = []
-    for name, res in results.items():
-        lines += [
-            f"**{name}** ({res['params'] / 1e6:.1f}M parameters), {res['requests']} requests, "
-            f"{res['useful_tokens']} useful tokens; each block's in-process engine was run in "
-            "the same rounds, interleaved.",
-            "",
-            "| system | useful tok/s best (median) | Redis ÷ in process, best (median) "
-            "| TTFT p50 / p99 ms | queue wait p50 / p99 ms | burst gaps p50 / p99 ms (n) "
-            "| tokens equal |",
-            "|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for b in res["blocks"].values():
-            for label, x, redis_row in zip(
-                labels(b), (b["in_process"], b["through_redis"]), (False, True), strict=True
-            ):
-                ratio = f"{b['ratio_best']:.3f} ({b['ratio_median']:.3f})" if redis_row else ""
-                match = f"{b['tokens_match']}/{b['tokens_compared']}" if redis_row else ""
-                lat = [ms(x[key]) for key in LATENCIES]
-                lines.append(
-                    f"| {label} | {x['tok_s_best']:.0f} ({x['tok_s_median']:.0f}) | {ratio} "
-                    f"| {lat[0]} / {lat[1]} | {lat[2]} / {lat[3]} "
-                    f"| {lat[4]} / {lat[5]} ({x['burst_gap_n']}) | {match} |"
-                )
-        lines += [
-            "",
-            "Where the time went (all-at-once runs, means over rounds): wall time, ticks and "
-            "seconds inside `Engine.step` (workers: summed over workers), and CPU seconds "
-            "used during the Redis runs.",
-            "",
-            "| block | Redis wall s | in-process wall s | worker ticks | in-process ticks "
-            "| workers' s in `Engine.step` | in-process s in `Engine.step` "
-            "| CPU s workers / redis-server / client | jobs per worker "
-            "| load avg (1 min) at block start / end |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
-        ]
-        for b in res["blocks"].values():
-            rs = [r for r in b["per_round"] if r["scenario"] == "all"]
-            cpu = {c: statistics.mean(r["cpu_s"][c] for r in rs) for c in rs[0]["cpu_s"]}
-            split = sorted({"+".join(map(str, sorted(r["jobs_by_worker"].values()))) for r in rs})
-            lines.append(
-                f"| {labels(b)[1]} | {statistics.mean(b['through_redis']['wall_s']):.3f} "
-                f"| {statistics.mean(b['in_process']['wall_s']):.3f} "
-                f"| {b['worker_ticks_mean']:.0f} | {statistics.mean(b['in_process']['ticks']):.0f} "
-                f"| {b['worker_step_s_mean']:.3f} | {b['in_process_step_s_mean']:.3f} "
-                f"| {cpu['workers']:.2f} / {cpu['redis_server']:.2f} / {cpu['client']:.2f} "
-                f"| {', '.join(split)} | {b['load_at_start']['loadavg'][0]:.2f} / "
-                f"{b['load_at_end']['loadavg'][0]:.2f} |"
-            )
-        costs = ", ".join(
-            f"{k.removesuffix('_ms')} {v:.3f}" for k, v in res["redis_costs_ms"].items()
-        )
-        lines += ["", f"Redis calls from one Python process here, median ms: {costs}.", ""]
-    return "\n".join(lines)
-
-
-def table(results: dict[str, Any]) -> str:
-    lines = []
-    for name, res in results.items():
-        lines.append(f"\n{name} ({res['params'] / 1e6:.1f}M params), {res['useful_tokens']} tokens")
-        lines.append(
-            f"{'system':<32}{'tok/s':>7}{'ratio':>7}{'med.r':>7}{'TTFT50':>8}{'TTFT99':>8}"
-            f"{'queue50':>8}{'queue99':>8}{'burst50':>8}{'burst99':>8}{'match':>7}"
-        )
-        for b in res["blocks"].values():
-            for label, x, redis_row in zip(
-                labels(b), (b["in_process"], b["through_redis"]), (False, True), strict=True
-            ):
-                ratios = f"{b['ratio_best']:>7.3f}{b['ratio_median']:>7.3f}" if redis_row else ""
-                lines.append(
-                    f"{label:<32}{x['tok_s_best']:>7.0f}{ratios:>14}"
-                    + "".join(f"{ms(x[key]):>8}" for key in LATENCIES)
-                    + (f"{b['tokens_match']:>4}/{b['tokens_compared']}" if redis_row else "")
-                )
-        lines.append("target: useful tok/s ratio (Redis ÷ in process) >= 0.95; latencies in ms")
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results)
-    fig, axes = plt.subplots(2, len(names), figsize=(8 * len(names), 8), squeeze=False)
-    for col, name in enumerate(names):
-        blocks = list(results[name]["blocks"].values())
-        ax = axes[0][col]
-        x = range(len(blocks))
-        ax.bar(
-            [i - 0.2 for i in x],
-            [b["in_process"]["tok_s_best"] for b in blocks],
-            0.4,
-            label="in process",
-            color="C7",
-        )
-        bars = ax.bar(
-            [i + 0.2 for i in x],
-            [b["through_redis"]["tok_s_best"] for b in blocks],
-            0.4,
-            label="through Redis",
-            color="C0",
-        )
-        ax.bar_label(bars, labels=[f"{b['ratio_best']:.2f}×" for b in blocks], fontsize=8)
-        ax.set_xticks(list(x), [labels(b)[1].removeprefix("Redis, ") for b in blocks], fontsize=8)
-        ax.set_ylim(top=1.25 * max(b["in_process"]["tok_s_best"] for b in blocks))
-        ax.set_ylabel("useful tokens/s (best round)")
-        ax.set_title(f"{name}: mixed workload (bar label: Redis ÷ in process)")
-        ax.legend(fontsize=8, ncol=2, loc="upper center")
-        ax = axes[1][col]
-        keys = [
-            ("ttft_p50_s", "TTFT p50"),
-            ("ttft_p99_s", "TTFT p99"),
-            ("burst_gap_p50_s", "burst gap p50"),
-            ("burst_gap_p99_s", "burst gap p99"),
-        ]
-        # each in-process thread count once (its first block), then every Redis block
-        series = list({labels(b)[0]: b["in_process"] for b in reversed(blocks)}.items())[::-1]
-        series += [(labels(b)[1], b["through_redis"]) for b in blocks]
-        width = 0.8 / len(series)
-        for i, (label, s) in enumerate(series):
-            ax.bar(
-                [m + i * width for m in range(len(keys))],
-                [1000 * s[k] for k, _ in keys],
-                width,
-                label=label,
-            )
-        ax.set_xticks(
-            [m + width * (len(series) - 1) / 2 for m in range(len(keys))],
-            [label for _, label in keys],
-        )
-        ax.set_ylabel("ms")
-        ax.set_title(f"{name}: latency (burst gaps: the 4 sessions in flight)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+def parse_trees(args: argparse.Namespace) -> list[Tree]:
+    specs = [*(args.tree or []), *(s for s in (args.trees or "").split(",") if s)]
+    trees = [Tree.parse(spec) for spec in specs] or [Tree("this", BENCH.parent)]
+    names = [t.name for t in trees]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"tree names must differ: {names}")
+    return trees
 
 
 def main() -> None:
@@ -825,6 +535,13 @@ def main() -> None:
         help="torch threads of the single worker (and of the engine it is compared with), "
         "one block each; k > 1 workers always get 1",
     )
+    parser.add_argument(
+        "--tree",
+        action="append",
+        metavar="NAME=PATH",
+        help="a checkout to measure (repeatable; the first is the reference); default: this one",
+    )
+    parser.add_argument("--trees", default="", help="the same, comma-separated: new=.,old=/tmp/old")
     parser.add_argument("--quick", action="store_true", help="one round per block")
     parser.add_argument(
         "--worker-args", default="", help="extra `tokenfleet worker` flags, e.g. --no-overlap"
@@ -833,44 +550,37 @@ def main() -> None:
     parser.add_argument("--plot", default="docs/img/e2e.png")
     args = parser.parse_args()
     EXTRA_WORKER_ARGS.extend(args.worker_args.split())
+    trees = parse_trees(args)
     # A SIGTERM unwinds like Ctrl-C, so workers, redis-server and temp folders are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    torch.set_num_threads(os.cpu_count() or 1)
     blocks = Settings.blocks_for(
         [int(k) for k in args.workers.split(",")], [int(t) for t in args.threads.split(",")]
     )
     settings = Settings.quick(blocks) if args.quick else Settings.full(blocks)
     machine = machine_info()
-    machine["env"] = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "MKL_"))}
     machine["worker_args"] = EXTRA_WORKER_ARGS
-    machine["load_at_start"] = load_now()
+    machine["trees"] = {tree.name: tree.describe() for tree in trees}
     started = time.perf_counter()
+    log = progress(started)
     results: dict[str, Any] = {}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {}
     for name in args.configs.split(","):
-        print(f"[{time.perf_counter() - started:6.1f}s] {name} ...", flush=True)
-        results[name] = bench_config(name, settings, lambda msg: print(msg, flush=True))
-        machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-        machine["load_at_end"] = load_now()
+        log(f"{name} ...")
+        results[name] = bench_config(name, settings, trees, lambda msg: print(msg, flush=True))
         report = {
-            "machine": machine,
+            "machine": mark_end(machine),
             "quick": args.quick,
             "settings": asdict(settings) | {"long": LONG, "burst_after_tokens": BURST_AFTER},
             "wall_s": time.perf_counter() - started,
             "configs": results,
         }
-        out.write_text(json.dumps(report, indent=2))  # after each config: a partial run counts
-        out.with_suffix(".md").write_text(markdown(results))
+        write_report(out, report, markdown(results))  # after each config: a partial run counts
     print(table(results))
     if args.plot:
         plot(results, Path(args.plot))
-    print(
-        f"\nwrote {out} (+ .md tables){' and ' + args.plot if args.plot else ''}"
-        f" in {report['wall_s']:.0f} s"
-    )
+    print(wrote(out, args.plot, report["wall_s"]))
 
 
 if __name__ == "__main__":

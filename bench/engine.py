@@ -18,7 +18,6 @@ Prints a table, writes JSON (and a PNG). `--quick` shrinks everything for develo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -35,11 +34,11 @@ from _common import (
     build_checkpoint,
     hf_generate,
     hf_one_by_one,
-    machine_info,
     mixed_jobs,
     num_params,
     uniform_jobs,
 )
+from report import loadavg, machine_info, mark_end, pyplot, save_figure, write_report, wrote
 
 from tokenfleet.model import LoadedModel, SeqInput, TorchRunner, load_model
 from tokenfleet.protocol import GenerationRequest
@@ -233,7 +232,7 @@ def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str
             best.time("m_cb", partial(cb.run, mixed))
             if i < s.per_request_repeats[name]:
                 best.time("m_one", partial(hf_one_by_one, hf, mixed))
-            log(f"  {name} round {i + 1}/{s.repeats[name]}, load {os.getloadavg()[0]:.2f}")
+            log(f"  {name} round {i + 1}/{s.repeats[name]}, load {loadavg()[0]:.2f}")
     finally:
         cb.close()
 
@@ -249,7 +248,7 @@ def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str
     }
     result["mixed"] = mixed_summary(mixed, best, captured_mixed)
     result["targets"] = targets(result)
-    result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    result["loadavg_at_end"] = loadavg()
     return result
 
 
@@ -437,11 +436,7 @@ def table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(results)
     fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 8), squeeze=False)
     for col, name in enumerate(names):
@@ -487,9 +482,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("useful tokens/s")
         ax.set_title(f"{name}: mixed workload ({res['mixed']['requests']} requests)")
         ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -513,7 +506,7 @@ def main() -> None:
     for name in args.configs.split(","):
         print(f"[{time.perf_counter() - started:6.1f}s] {name} ...", flush=True)
         results[name] = bench_config(name, settings, lambda msg: print(msg, flush=True))
-    machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    mark_end(machine)
     report = {
         "machine": machine,
         "quick": args.quick,
@@ -522,17 +515,10 @@ def main() -> None:
         "configs": results,
     }
     print(table(results))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    out.with_suffix(".md").write_text(markdown(results))
+    out = write_report(Path(args.out), report, markdown(results))
     if args.plot:
         plot(results, Path(args.plot))
-    print(
-        f"\nwrote {out} (+ .md tables)"
-        + (f" and {args.plot}" if args.plot else "")
-        + f" in {report['wall_s']:.0f} s"
-    )
+    print(wrote(out, args.plot, report["wall_s"]))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -49,11 +47,12 @@ from typing import Any
 
 import httpx
 import redis
+from report import machine_info, mark_end, pct, pyplot, save_figure, write_json
 
 from tokenfleet.gateway.app import CLIENT_NAME
 from tokenfleet.gateway.subscriber import PUBSUB_CLIENT_NAME
 from tokenfleet.keys import Keys
-from tokenfleet.local import EmbeddedRedis, LocalWorkers, free_port
+from tokenfleet.local import EmbeddedRedis, LocalWorkers, cpu_seconds, free_port
 from tokenfleet.producer import AsyncProducer, Producer
 from tokenfleet.protocol import GenerationRequest
 
@@ -68,13 +67,6 @@ def workload(n: int, seed: int = 5) -> list[tuple[str, int]]:
         (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))), rng.randint(16, 128))
         for _ in range(n)
     ]
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 async def direct_round(producer: AsyncProducer, jobs: list[tuple[str, int]]) -> dict[str, Any]:
@@ -144,12 +136,6 @@ def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run(
     url: str, gateway_url: str, gateway_pid: int, jobs: list[tuple[str, int]], rounds: int
 ) -> Any:
@@ -176,26 +162,11 @@ async def run(
 def start_gateway(redis_url: str, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     """`tokenfleet gateway` (PREFIX, a free port, `extra` flags) as a subprocess: its URL, it."""
     port = free_port()
-    cmd = [sys.executable, "-c", "import typer; from tokenfleet.gateway.command import gateway;"]
+    cmd = [sys.executable, "-c", "import typer; from tokenfleet.cli.gateway import gateway;"]
     cmd[-1] += " typer.run(gateway)"
     cmd += ["--redis-url", redis_url, "--prefix", PREFIX, "--port", str(port)]
     cmd += ["--log-level", "warning", *extra]
     return f"http://127.0.0.1:{port}", subprocess.Popen(cmd)
-
-
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
-def machine(load_at_start: list[float]) -> dict[str, Any]:
-    """Where a result was measured (written with every result)."""
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg_at_start": load_at_start,
-        "loadavg_at_end": loadavg(),
-    }
 
 
 def wait_healthy(
@@ -300,7 +271,7 @@ def fleet_sample(r: redis.Redis, keys: Keys) -> tuple[int, int]:
 def storm(args: argparse.Namespace) -> None:
     n = args.streams
     keys = Keys(PREFIX)
-    load_at_start = loadavg()
+    machine = machine_info()
     redis_server = EmbeddedRedis.start()
     r = redis.Redis.from_url(redis_server.url)
     Producer(r, keys=keys).set_queue_cap(2 * n)  # every stream's job must fit in the queue
@@ -396,9 +367,9 @@ def storm(args: argparse.Namespace) -> None:
         "active_after": active,
         "kv_settle_s": settle,
         "samples": samples,
-        "machine": machine(load_at_start),
+        "machine": mark_end(machine),
     }
-    out.write_text(json.dumps(result, indent=2))
+    write_json(out, result)
     client_out.unlink(missing_ok=True)
     if args.plot:
         plot_storm(result, Path(args.plot))
@@ -422,11 +393,7 @@ def storm(args: argparse.Namespace) -> None:
 
 
 def plot_storm(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     samples = result["samples"]
     t = [s["t_s"] for s in samples]
     fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
@@ -450,9 +417,7 @@ def plot_storm(result: dict[str, Any], path: Path) -> None:
     axes[2].plot(t, [s["kv_used_mb"] for s in samples], color="C1")
     axes[2].set_ylabel("workers' KV in use, MiB")
     axes[2].set_xlabel("seconds since the first request")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -478,7 +443,7 @@ def main() -> None:
         return
     args.out = args.out or "bench/out/gateway.json"
     jobs = workload(args.requests)
-    load_at_start = loadavg()
+    machine = machine_info()
 
     redis_server = EmbeddedRedis.start()
     worker_args = ["--model", "tiny-random", "--device", args.device]
@@ -508,11 +473,9 @@ def main() -> None:
         "added_ttft_p50_s": gateway["ttft_p50_s"] - direct["ttft_p50_s"],
         "added_ttft_p99_s": gateway["ttft_p99_s"] - direct["ttft_p99_s"],
         "gateway_cpu_ms_per_token": cpu_ms,
-        "machine": machine(load_at_start),
+        "machine": mark_end(machine),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out), result)
     print(
         f"{args.requests} streamed chat requests × {args.rounds} rounds, 1 worker ({args.device})"
     )

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real redis-server per test session (flushed per test) and fakeredis.
+"""Shared fixtures: a real redis-server per test session (flushed per test) and fakeredis;
+and the fast tier's marker.
 
 A missing redis-server fails the run with a clear message: tests about streams,
 consumer groups, Lua and pub/sub must run against the real thing.
@@ -18,6 +19,40 @@ sys.path.insert(0, str(Path(__file__).parent))  # plain helper modules beside th
 
 from fleet import Fleet
 from support import RedisServer, free_port
+
+# The fast tier (`make test-fast` = `pytest -m fast`): modules of pure-core tests (plain
+# data, the model and engine in process, fakeredis) that start no redis-server and no
+# worker process. Listed by module, not guessed from fixtures: several modules start
+# their own servers and processes (test_acl, test_operator), so a module joins the tier
+# only by being named here, and a new one runs in the full suite until it is. A test in a
+# listed module that asks for a real Redis still stays out.
+FAST_MODULES = frozenset(
+    {
+        "test_admission.py",
+        "test_batch_buffers.py",
+        "test_chat.py",
+        "test_compose.py",
+        "test_engine.py",
+        "test_keys.py",
+        "test_kv.py",
+        "test_lua_scripts.py",
+        "test_model_reference.py",
+        "test_protocol.py",
+        "test_runner_seam.py",
+        "test_sampling.py",
+        "test_scheduler.py",
+        "test_telemetry.py",
+        "test_tokenizer.py",
+    }
+)
+REAL_REDIS_FIXTURES = frozenset({"redis_server", "own_redis", "aof_redis"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if item.path.name in FAST_MODULES and not fixtures & REAL_REDIS_FIXTURES:
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")

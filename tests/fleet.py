@@ -1,40 +1,54 @@
-"""Real worker processes for integration tests: start, signal, wait, collect their logs."""
+"""Test glue over `tokenfleet.local.LocalWorkers`: real worker processes with the tests'
+flags (tiny-random on CPU, one thread, verbose, burst unless asked), one handle per
+worker, and the in-process engine run their results are compared with."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import redis
 from support import wait_for
 
-from tokenfleet.keys import Keys
+from tokenfleet.local import LocalWorkers
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from tokenfleet.protocol import GenerationRequest, JobResult
+
+TEST_WORKER_ARGS = ("--model", "tiny-random", "--device", "cpu", "--threads", "1", "--verbose")
 
 
 @dataclass
 class WorkerProcess:
+    """One worker of a `Fleet`: its process and log, as the tests poke at them."""
+
     name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
+    workers: LocalWorkers = field(repr=False)
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        return self.workers.procs[self.name]
+
+    @property
+    def log(self) -> Path:
+        path = self.workers.log_path(self.name)
+        assert path is not None
+        return path
 
     def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
+        self.workers.signal(self.name, signum)
 
     def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        self.workers.kill(self.name)
 
     def wait(self, timeout: float = 120) -> int:
-        return self.proc.wait(timeout=timeout)
+        return self.workers.wait(self.name, timeout)
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        return self.workers.log(self.name)
 
     def wait_log(self, fragment: str, timeout: float = 60) -> None:
         """Until `fragment` appears in the worker's log (fails early if it exited without it)."""
@@ -51,53 +65,48 @@ class WorkerProcess:
         wait_for(logged, timeout, f"{fragment!r} in the log of worker {self.name}")
 
 
-@dataclass
 class Fleet:
-    """Starts `tokenfleet worker` processes against one Redis; stops them all at the end."""
+    """Starts `tokenfleet worker` processes against one Redis (the default prefix), logs
+    in `tmp`; `stop_all` kills whatever still runs."""
 
-    redis_url: str
-    tmp: Path
-    workers: list[WorkerProcess] = field(default_factory=list)
+    def __init__(self, redis_url: str, tmp: Path) -> None:
+        self.local = LocalWorkers(
+            redis_url, worker_args=TEST_WORKER_ARGS, log_dir=tmp, env={"OMP_NUM_THREADS": "1"}
+        )
+        self.workers: list[WorkerProcess] = []
 
     def start(self, name: str, *extra: str, burst: bool = True) -> WorkerProcess:
-        log = self.tmp / f"{name}.log"
-        args = [sys.executable, "-m", "tokenfleet.cli", "worker", "--redis-url", self.redis_url]
-        args += ["--name", name, "--model", "tiny-random", "--device", "cpu", "--threads", "1"]
-        args += ["--verbose"]
-        if burst:
-            args.append("--burst")
-        args += list(extra)
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        with log.open("wb") as out:
-            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-        worker = WorkerProcess(name, proc, log)
+        self.local.start_one(name, ["--burst", *extra] if burst else extra)
+        worker = WorkerProcess(name, self.local)
         self.workers.append(worker)
         return worker
 
     def wait_alive(self, worker: WorkerProcess, timeout: float = 60) -> None:
         """Until the worker's heartbeat hash exists (it has loaded its model and joined)."""
-        client = redis.Redis.from_url(self.redis_url)
-        key = Keys().worker(worker.name)
-
-        def alive() -> bool:
-            if worker.proc.poll() is not None:
-                raise AssertionError(f"worker {worker.name} exited early:\n{worker.output()}")
-            return bool(client.exists(key))
-
-        wait_for(alive, timeout, f"worker {worker.name} heartbeat")
-        client.close()
+        self.local.wait_live([worker.name], timeout)
 
     def info(self, worker: WorkerProcess) -> dict[str, Any]:
         """The worker's telemetry hash, decoded (every value is JSON); {} once it expired."""
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            raw = client.hgetall(Keys().worker(worker.name))
-        finally:
-            client.close()
-        return {field.decode(): json.loads(value) for field, value in raw.items()}
+        return self.local.heartbeat(worker.name)
 
     def stop_all(self) -> None:
-        for worker in self.workers:
-            if worker.proc.poll() is None:
-                worker.proc.kill()
-                worker.proc.wait(timeout=30)
+        self.local.kill_all()
+
+
+def in_process(requests: Sequence[GenerationRequest]) -> dict[str, JobResult]:
+    """What each job gets from one engine in this process (tiny-random on CPU, every
+    request admitted at once): the reference a fleet's results must equal."""
+    # Imported here, not at the top: conftest imports this module for every test, and the
+    # pure-core tests should not pay for the model's imports.
+    from tokenfleet.model import load_model
+    from tokenfleet.worker.engine import Engine, EngineConfig
+
+    config = EngineConfig(kv_budget_bytes=64 << 20, max_waiting=len(requests))
+    engine = Engine(load_model("tiny-random", device="cpu"), config)
+    for request in requests:
+        assert engine.submit(request).accepted, request.job_id
+    results: dict[str, JobResult] = {}
+    while engine.has_work:
+        for done in engine.step().finished:
+            results[done.job_id] = done.result
+    return results

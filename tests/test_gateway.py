@@ -366,7 +366,7 @@ def test_gateway_command_refuses_a_public_address_without_keys() -> None:
     import typer
     from typer.testing import CliRunner
 
-    from tokenfleet.gateway.command import api_keys_from, gateway, is_loopback
+    from tokenfleet.cli.gateway import api_keys_from, gateway, is_loopback
 
     app = typer.Typer()
     app.command()(gateway)

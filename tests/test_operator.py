@@ -19,11 +19,11 @@ import redis
 from fleet import Fleet
 from support import run_cli, wait_for
 
+from tokenfleet.fleet import live_workers
 from tokenfleet.keys import GROUP, Keys
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import decode_result
 from tokenfleet.worker.queue import WorkerQueue
-from tokenfleet.worker.recovery import live_workers
 
 ROOT = Path(__file__).parent.parent
 KEYS = Keys()

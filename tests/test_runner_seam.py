@@ -196,7 +196,7 @@ def test_the_engine_runs_with_torch_unimportable() -> None:
         """
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        sys.path.insert(0, %r)
+        sys.path.insert(0, TESTS)
         from test_runner_seam import PagedFakeRunner, reference, request, run_all
         from tokenfleet.worker.engine import Engine, EngineConfig
         engine = Engine(PagedFakeRunner(), EngineConfig(kv_budget_bytes=64 * 1024, block_size=4))
@@ -206,8 +206,7 @@ def test_the_engine_runs_with_torch_unimportable() -> None:
                        if sys.modules[m] is not None)
         print("ok")
         """
-        % str(tests)
-    )
+    ).replace("TESTS", repr(str(tests)))
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )

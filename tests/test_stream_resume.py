@@ -27,7 +27,7 @@ from support import RedisServer, wait_for
 from tokenfleet.errors import JobLost, JobTimeout
 from tokenfleet.keys import Keys
 from tokenfleet.producer import AsyncJobHandle, AsyncProducer, JobHandle, Producer
-from tokenfleet.producer.common import STREAM_IDLE_TIMEOUT_S, JobFollower
+from tokenfleet.producer.follow import STREAM_IDLE_TIMEOUT_S, JobFollower
 from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent, decode_result, encode
 from tokenfleet.reasons import FinishReason
 

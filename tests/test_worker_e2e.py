@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import redis
-from fleet import Fleet
+from fleet import Fleet, in_process
 
 from tokenfleet.keys import Keys
 from tokenfleet.model import load_model
@@ -13,17 +13,6 @@ from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.engine import Engine, EngineConfig
 
 KEYS = Keys()
-
-
-def in_process(requests: list[GenerationRequest]) -> dict[str, tuple[list[int], str]]:
-    engine = Engine(load_model("tiny-random", device="cpu"), EngineConfig(kv_budget_bytes=64 << 20))
-    for request in requests:
-        engine.submit(request)
-    results: dict[str, tuple[list[int], str]] = {}
-    while engine.has_work:
-        for done in engine.step().finished:
-            results[done.job_id] = (done.result.token_ids, done.result.text)
-    return results
 
 
 def test_submit_stream_result_through_a_worker_matches_the_engine(
@@ -51,8 +40,8 @@ def test_submit_stream_result_through_a_worker_matches_the_engine(
         assert [e.index for e in events] == list(range(len(events)))
         result = handle.result(timeout=60)
         assert result.finish_reason == FinishReason.LENGTH
-        assert [e.token_id for e in events] == result.token_ids == expected[handle.id][0]
-        assert "".join(e.text for e in events) == result.text == expected[handle.id][1]
+        assert [e.token_id for e in events] == result.token_ids == expected[handle.id].token_ids
+        assert "".join(e.text for e in events) == result.text == expected[handle.id].text
         assert result.worker == "w1"
         assert handle.status().status == "finished"
     assert worker.wait(60) == 0, worker.output()

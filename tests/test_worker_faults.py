@@ -18,7 +18,7 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from fleet import Fleet, WorkerProcess
+from fleet import Fleet, WorkerProcess, in_process
 from support import LostReplyProxy, RedisServer, wait_for
 
 from tokenfleet.errors import JobFailed, JobNotFound
@@ -63,19 +63,6 @@ def greedy_jobs(prefix: str, count: int, seed: int, low: int = 4, high: int = 40
         )
         for i in range(count)
     ]
-
-
-def in_process(requests: list[GenerationRequest]) -> dict[str, list[int]]:
-    """Token ids each job gets from one engine in this process (the reference run)."""
-    config = EngineConfig(kv_budget_bytes=64 << 20, max_waiting=len(requests))
-    engine = Engine(load_model("tiny-random", device="cpu"), config)
-    for request in requests:
-        assert engine.submit(request).accepted
-    tokens: dict[str, list[int]] = {}
-    while engine.has_work:
-        for done in engine.step().finished:
-            tokens[done.job_id] = done.result.token_ids
-    return tokens
 
 
 def replay(r: redis.Redis, job_id: str) -> list[TokenEvent | FinishEvent]:
@@ -198,7 +185,8 @@ def test_kill9_under_load_every_job_finishes_once_in_order(fleet: Fleet, r: redi
         results[handle.id] = result
         events = yielded[handle.id]
         assert result.finish_reason == FinishReason.LENGTH, handle.id
-        assert [e.token_id for e in events] == result.token_ids == expected[handle.id], handle.id
+        want = expected[handle.id].token_ids
+        assert [e.token_id for e in events] == result.token_ids == want, handle.id
         assert "".join(e.text for e in events) == result.text, handle.id
         finish = check_replay(r, handle.id)
         assert finish.worker == result.worker
@@ -245,7 +233,7 @@ def test_sigterm_drains_in_flight_jobs_and_pulls_nothing_new(fleet: Fleet, r: re
         result = handle.result(timeout=10)
         assert result.worker == "drain-w1"
         assert result.finish_reason == FinishReason.LENGTH
-        assert result.token_ids == expected[handle.id]
+        assert result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)
     # The jobs submitted after the signal were never read: still queued, pending to nobody.
     assert r.xlen(STREAM) == 2
@@ -284,7 +272,7 @@ def test_sigterm_drain_timeout_hands_leftovers_to_another_worker(
         result = handle.result(timeout=10)
         assert result.worker == "handback-w2"  # w1 could not finish 300+ tokens in 0.2 s
         assert result.finish_reason == FinishReason.LENGTH
-        assert [e.token_id for e in events] == result.token_ids == expected[handle.id]
+        assert [e.token_id for e in events] == result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)
         assert 1 <= out_at_exit[handle.id] < len(result.token_ids)  # resumed mid-stream
     assert queue_empty(r)
@@ -499,7 +487,7 @@ def test_garbage_entries_are_dead_lettered_and_valid_jobs_still_finish(
     for handle in handles:
         result = handle.result(timeout=30)
         assert result.finish_reason == FinishReason.LENGTH
-        assert result.token_ids == expected[handle.id]
+        assert result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)  # spoofed entries naming it added no terminal event
     dead = dead_letters(r)
     assert set(dead) == garbage_entries
@@ -541,7 +529,7 @@ def test_worker_reconnects_after_a_redis_restart_and_finishes_every_job(
             result = handle.result(timeout=10)
             assert result.finish_reason == FinishReason.LENGTH
             events = collect(handle, timeout=10)
-            assert [e.token_id for e in events] == result.token_ids == expected[handle.id]
+            assert [e.token_id for e in events] == result.token_ids == expected[handle.id].token_ids
             check_replay(client, handle.id)  # each index once, even across the restart
         assert queue_empty(client)
         assert client.xlen(KEYS.dead_letters()) == 0
@@ -585,7 +573,7 @@ def test_poison_job_is_dead_lettered_after_max_deliveries_and_its_batch_finishes
     for handle in handles:
         result = handle.result(timeout=10)
         assert result.finish_reason == FinishReason.LENGTH
-        assert result.token_ids == expected[handle.id]
+        assert result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)
     assert queue_empty(r)
 
@@ -650,7 +638,7 @@ def test_lost_replies_and_failed_terminal_writes_lose_no_job(
     for handle in handles:
         result = handle.result(timeout=10)
         assert result.finish_reason == FinishReason.LENGTH
-        assert result.token_ids == expected[handle.id]
+        assert result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)  # resyncs resend every event; each index lands once
     assert queue_empty(r)
     assert r.xlen(KEYS.dead_letters()) == 0
@@ -680,6 +668,6 @@ def test_a_read_reply_lost_in_transit_strands_no_job(
     expected = in_process(requests)
     for handle in handles:
         result = handle.result(timeout=10)
-        assert result.token_ids == expected[handle.id]
+        assert result.token_ids == expected[handle.id].token_ids
         check_replay(r, handle.id)
     assert queue_empty(r)

@@ -11,6 +11,7 @@ import redis
 from support import free_port, wait_for
 
 from tokenfleet.errors import JobFailed
+from tokenfleet.fleet import live_workers, queue_stats
 from tokenfleet.keys import EVENTS_TTL_S, GROUP, RESULT_TTL_S, WORKER_TTL_S, Keys
 from tokenfleet.producer import JobHandle, Producer
 from tokenfleet.protocol import (
@@ -33,8 +34,6 @@ from tokenfleet.worker.queue import (
     TickWrite,
     Verdict,
     WorkerQueue,
-    live_workers,
-    queue_stats,
 )
 
 KEYS = Keys()

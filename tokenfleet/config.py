@@ -2,7 +2,7 @@
 
 Environment: `TOKENFLEET_*` (e.g. `TOKENFLEET_PREFIX`, `TOKENFLEET_MODEL`,
 `TOKENFLEET_GATEWAY_QUEUE_TIMEOUT`) and `REDIS_URL` (also `rediss://` and URLs
-with a password).
+with a password). A command-line flag given takes precedence over its setting.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ class Settings(BaseSettings):
         description="redis:// or rediss:// URL, with password if any",
     )
     prefix: str = Field(default="tokenfleet:", min_length=1, max_length=64)
+    # `tokenfleet worker`'s defaults for --model, --device and --dtype (`up` too);
+    # load_model checks device and dtype when the worker starts
     model: str = Field(default="tiny-random", description="preset name or checkpoint folder")
-    device: str = "auto"
-    dtype: str = "float32"
+    device: str = Field(default="auto", description="cpu, cuda, cuda:N; auto: cuda if available")
+    dtype: str = Field(default="float32", description="float32, bfloat16 or float16")
     queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")
 
     # the gateway (`tokenfleet gateway`; its flags take precedence): TOKENFLEET_GATEWAY_*

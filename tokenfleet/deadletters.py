@@ -12,10 +12,10 @@ from typing import Any
 import redis
 
 from tokenfleet.errors import ProtocolError, TokenfleetError
+from tokenfleet.fleet import text
 from tokenfleet.keys import DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import decode_request
-from tokenfleet.worker.recovery import text
 
 
 def _fields(raw: dict[Any, Any]) -> dict[str, str]:

@@ -20,13 +20,13 @@ from rich.table import Table
 from rich.text import Text
 
 from tokenfleet.errors import TokenfleetError
+from tokenfleet.fleet import read_workers
 from tokenfleet.keys import Keys
 from tokenfleet.local import LocalWorkers, redis_for
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, SamplingParams
 from tokenfleet.reasons import FinishReason
 from tokenfleet.status import fleet_status, render_status
-from tokenfleet.worker.recovery import live_workers
 
 PROMPTS = [
     "The quick brown fox",
@@ -194,7 +194,7 @@ def run_demo(
             ) as progress:
                 progress.add_task(f"starting {workers} worker(s) on tiny-random", total=None)
                 deadline = time.monotonic() + 120
-                while len(live_workers(client, keys)) < workers:
+                while len(read_workers(client, keys)) < workers:
                     if not fleet.alive() or time.monotonic() > deadline:
                         console.print("[red]workers failed to start[/red]")
                         return 1

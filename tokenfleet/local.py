@@ -18,12 +18,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
+
+from tokenfleet.fleet import decode_worker, read_workers
+from tokenfleet.keys import DEFAULT_PREFIX, Keys
 
 
 def free_port() -> int:
@@ -79,6 +82,11 @@ class EmbeddedRedis:
         wait_until_up(url)
         return embedded
 
+    @property
+    def pid(self) -> int | None:
+        """The redis-server's process id (None for the in-process fakeredis)."""
+        return None if self._proc is None else self._proc.pid
+
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.terminate()
@@ -90,39 +98,165 @@ class EmbeddedRedis:
             self._dir.cleanup()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a running process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class WorkerExited(RuntimeError):
+    """A worker process ended while it was being waited for (the message carries its log)."""
+
+
 @dataclass
 class LocalWorkers:
-    """`tokenfleet worker` child processes sharing one Redis."""
+    """`tokenfleet worker` child processes sharing one Redis: start, watch, signal, stop.
+
+    Each worker runs `python -m tokenfleet.cli worker --redis-url URL --prefix PREFIX
+    --name NAME *worker_args *extra` in its own process group (a Ctrl-C in the terminal
+    reaches the parent only, which then drains the workers itself), with this process's
+    environment plus `env` (and a start's own `env`). Its output goes to
+    `log_dir/NAME.log`, or nowhere without a `log_dir`.
+
+    `cwd` and `env` run another checkout: PYTHONPATH=TREE and cwd=TREE (`python -m` puts
+    the working directory first on sys.path) import tokenfleet from TREE.
+
+    Liveness is the worker's heartbeat hash (`Keys.worker(name)`): it exists once the
+    worker has loaded its model and joined, and expires after WORKER_TTL_S without one.
+    """
 
     redis_url: str
-    prefix: str
+    prefix: str = DEFAULT_PREFIX
     worker_args: Sequence[str] = ()
     log_dir: Path | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    _client: redis.Redis | None = field(default=None, repr=False)
 
-    def start(self, count: int, name_prefix: str = "local") -> list[str]:
-        names = []
-        for _ in range(count):
-            name = f"{name_prefix}-{os.getpid()}-{len(self.procs)}"
-            args = [sys.executable, "-m", "tokenfleet.cli", "worker", "--redis-url", self.redis_url]
-            args += ["--prefix", self.prefix, "--name", name, *self.worker_args]
-            out: Any = subprocess.DEVNULL
-            if self.log_dir is not None:
-                out = (self.log_dir / f"{name}.log").open("wb")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-            # Own process group: a Ctrl-C in the terminal reaches the parent only, which
-            # then drains the workers itself (one SIGTERM each).
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.prefix)
+
+    # ---- start ---------------------------------------------------------------------------
+
+    def start(
+        self,
+        count: int,
+        name_prefix: str = "local",
+        extra: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> list[str]:
+        """Start `count` workers named NAME_PREFIX-PID-N; return their names."""
+        return [
+            self.start_one(f"{name_prefix}-{os.getpid()}-{len(self.procs)}", extra, env)
+            for _ in range(count)
+        ]
+
+    def start_one(
+        self, name: str, extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> str:
+        assert name not in self.procs, f"worker {name} was started already"
+        args = [sys.executable, "-m", "tokenfleet.cli", "worker", "--redis-url", self.redis_url]
+        args += ["--prefix", self.prefix, "--name", name, *self.worker_args, *extra]
+        environ = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env, **(env or {})}
+        log = self.log_path(name)
+        with contextlib.ExitStack() as stack:
+            out: Any = subprocess.DEVNULL if log is None else stack.enter_context(log.open("wb"))
             self.procs[name] = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                args,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environ,
+                cwd=self.cwd,
+                start_new_session=True,
             )
-            names.append(name)
-        return names
+        return name
+
+    # ---- watch ---------------------------------------------------------------------------
 
     def alive(self) -> list[str]:
+        """Names of the workers whose process is still running."""
         return [name for name, proc in self.procs.items() if proc.poll() is None]
 
+    def joined(self, name: str) -> bool:
+        """Whether the worker's heartbeat hash exists."""
+        return bool(self._redis().exists(self.keys.worker(name)))
+
+    def wait_live(self, names: Sequence[str] | None = None, timeout: float = 180.0) -> None:
+        """Until every named worker (default: all) has joined; WorkerExited if one ends
+        first, TimeoutError (with the logs' tails) if `timeout` passes."""
+        waiting = list(self.procs if names is None else names)
+        deadline = time.monotonic() + timeout
+        while waiting:
+            for name in waiting:
+                if self.procs[name].poll() is not None and not self.joined(name):
+                    raise WorkerExited(f"worker {name} exited early:\n{self.log(name)}")
+            waiting = [name for name in waiting if not self.joined(name)]
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"workers {waiting} did not join: {self.log_tail()}")
+            if waiting:
+                time.sleep(0.05)
+
+    def heartbeat(self, name: str) -> dict[str, Any]:
+        """The worker's heartbeat hash, decoded; {} once it expired."""
+        raw = self._redis().hgetall(self.keys.worker(name))
+        return decode_worker(name, raw).fields if raw else {}
+
+    def settle(self, timeout: float = 15.0) -> dict[str, dict[str, Any]]:
+        """Wait for a heartbeat from every worker written after now, each holding no job;
+        return those heartbeats (counters such as `ticks` as of the end of the last run)."""
+        since = time.time()
+        deadline = time.monotonic() + timeout
+        while True:
+            # read_workers reads the scores before the hashes: a heartbeat's HSET lands
+            # before its ZADD, so a hash read after a fresh score is at least that fresh.
+            live = read_workers(self._redis(), self.keys)
+            beats = {name: live[name].fields if name in live else {} for name in self.procs}
+            idle = all(b.get("held_jobs") == 0 and b.get("active") == 0 for b in beats.values())
+            seen = [live[name].last_seen if name in live else None for name in self.procs]
+            if idle and all(t is not None and t >= since for t in seen):
+                return beats
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers did not settle: {beats}")
+            time.sleep(0.05)
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) each running worker has used so far."""
+        return {name: cpu_seconds(self.procs[name].pid) for name in self.alive()}
+
+    def log_path(self, name: str) -> Path | None:
+        return None if self.log_dir is None else self.log_dir / f"{name}.log"
+
+    def log(self, name: str) -> str:
+        """The worker's output so far ('' without a log_dir)."""
+        path = self.log_path(name)
+        return path.read_text(errors="replace") if path is not None and path.exists() else ""
+
+    def log_tail(self, chars: int = 800) -> str:
+        """The last `chars` of every worker's non-empty log, one after another."""
+        tails = [f"{name}: {text[-chars:]}" for name in self.procs if (text := self.log(name))]
+        return " | ".join(tails)
+
+    # ---- stop ----------------------------------------------------------------------------
+
+    def signal(self, name: str, signum: int) -> None:
+        self.procs[name].send_signal(signum)
+
+    def wait(self, name: str, timeout: float = 120.0) -> int:
+        """The worker's exit code, once it exited (subprocess.TimeoutExpired after `timeout`)."""
+        return self.procs[name].wait(timeout=timeout)
+
+    def kill(self, name: str, timeout: float = 30.0) -> None:
+        """SIGKILL one worker (if it still runs) and reap it."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=timeout)
+
     def drain(self, timeout: float = 60.0) -> dict[str, int | None]:
-        """SIGTERM every worker (they finish in-flight jobs), wait, return exit codes."""
+        """SIGTERM every worker (they finish in-flight jobs), wait, return exit codes;
+        one still running after `timeout` is killed and reads None."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -133,8 +267,27 @@ class LocalWorkers:
                 codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait(timeout=30)
                 codes[name] = None
+        self.close()
         return codes
+
+    def kill_all(self) -> None:
+        """SIGKILL every worker still running, reap them all."""
+        for name in self.procs:
+            self.kill(name)
+        self.close()
+
+    def close(self) -> None:
+        """Close the Redis connection used to watch the workers (reopened when needed)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _redis(self) -> redis.Redis:
+        if self._client is None:
+            self._client = redis.Redis.from_url(self.redis_url)
+        return self._client
 
 
 @contextlib.contextmanager

@@ -15,8 +15,8 @@ import redis
 from rich.console import Group
 from rich.table import Table
 
+from tokenfleet.fleet import live_workers, queue_stats, text
 from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_QUEUE_CAP, Keys
-from tokenfleet.worker.recovery import live_workers, queue_stats, text
 
 
 def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -26,7 +26,7 @@ def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
     for model in models:
         stats = queue_stats(client, keys, model)
         cap = client.get(keys.queue_cap(model))
-        depth, pending = stats["depth"] or 0, stats["pending"] or 0
+        depth, pending = stats["depth"], stats["pending"]
         queues.append(
             {
                 "model": model,

@@ -36,8 +36,9 @@ from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import Settings
 from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull
+from tokenfleet.fleet import ServedModel
 from tokenfleet.gateway.errors import ApiError, from_finish, from_validation
-from tokenfleet.gateway.fleet import FleetReader, ServedModel
+from tokenfleet.gateway.fleet import FleetReader
 from tokenfleet.gateway.jobs import (
     Canceller,
     ClientGone,

@@ -1,6 +1,6 @@
 -- Functions for the scripts that act on a jobs-stream entry this worker owns
 -- (tick.lua, accept.lua, dead_letter.lua, redeliver.lua). Not a script by itself:
--- tokenfleet.worker.queue prepends this file to each of them before registering it.
+-- tokenfleet/lua/__init__.py prepends this file to each of them.
 --
 -- Those scripts share this calling convention:
 --   KEYS[1]  jobs stream            (keys.jobs(model))

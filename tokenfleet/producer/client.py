@@ -1,4 +1,6 @@
-"""The producer client: submit jobs to the fleet and follow them (sync, redis-py)."""
+"""The producer client: submit jobs to the fleet and follow them (sync, redis-py).
+
+What each call sends and decides is `producer.core`; this module carries it out."""
 
 from __future__ import annotations
 
@@ -6,46 +8,75 @@ import contextlib
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
-from tokenfleet.errors import JobNotFound, JobRejected, QueueFull
-from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
-from tokenfleet.producer.common import (
-    CAPACITY_TTL_S,
-    REPLAY_POLL_S,
-    STREAM_IDLE_TIMEOUT_S,
-    SUBMIT_LUA,
-    TRANSIENT_ERRORS,
-    JobFollower,
-    ResultWait,
-    SubmitReply,
-    build_request,
-    check_fleet_fits,
-    encode_request,
-    fleet_capacity,
-    parse_submit_reply,
-    submit_call,
-)
-from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, TokenEvent
+from tokenfleet.fleet import read_workers
+from tokenfleet.keys import Keys
+from tokenfleet.producer import ops
+from tokenfleet.producer.common import JobStatus, SubmitReply
+from tokenfleet.producer.core import HandleCore, ProducerCore
+from tokenfleet.producer.follow import STREAM_IDLE_TIMEOUT_S
+from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class JobStatus:
-    """A job's state hash, read back. `status` is queued | running | finished."""
+@dataclass
+class _Run:
+    """Carries out one plan on redis-py (see `producer.ops`). The plan's subscription,
+    while it has one, lives here."""
 
-    job_id: str
-    status: str
-    fields: dict[str, str]
+    producer: Producer
+    pubsub: Any = None
 
-    @property
-    def finish_reason(self) -> str | None:
-        return self.fields.get("finish_reason")
+    def events(self, step: ops.Step[Any]) -> Iterator[TokenEvent]:
+        """What the plan emits, as it runs."""
+        try:
+            for op in step:
+                if isinstance(op, ops.Emit):
+                    yield op.event
+                else:
+                    step.settle(self.do, op)
+        finally:
+            step.close()
+            self.close()
 
-    @property
-    def worker(self) -> str | None:
-        return self.fields.get("worker")
+    def do(self, op: ops.Op) -> Any:
+        client = self.producer.redis
+        match op:
+            case ops.Command(args=args):
+                return client.execute_command(*args)
+            case ops.Submit(keys=keys, args=args):
+                return self.producer._submit_script(keys=keys, args=args)
+            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies):
+                pipe = client.pipeline(transaction=False)
+                for item in commands:
+                    if isinstance(item, ops.Submit):
+                        self.producer._submit_script(keys=item.keys, args=item.args, client=pipe)
+                    else:
+                        pipe.execute_command(*item.args)
+                return pipe.execute(raise_on_error=not errors_as_replies)
+            case ops.ReadFleet(keys=keys):
+                return read_workers(client, keys)
+            case ops.Subscribe(channel=channel):
+                self.close()
+                self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+                return self.pubsub.subscribe(channel)
+            case ops.Listen(timeout=timeout):
+                return self.pubsub.get_message(timeout=timeout)
+            case ops.Backoff(seconds=seconds):
+                self.close()
+                return time.sleep(seconds)
+        raise AssertionError(f"{op!r} is not an op this transport carries out")
+
+    def close(self) -> None:
+        """Close the subscription, whose connection may already be broken."""
+        if self.pubsub is not None:
+            with contextlib.suppress(redis.RedisError, OSError):
+                self.pubsub.close()
+            self.pubsub = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +93,7 @@ class SubmitOutcome:
         return self.handle is not None
 
 
-class Producer:
+class Producer(ProducerCore[redis.Redis]):
     """Submits jobs to a fleet's bounded jobs stream.
 
     `submit` is one atomic script call: an id accepted before returns its
@@ -70,71 +101,34 @@ class Producer:
     is added. Bad input raises `InvalidRequest` before anything is sent.
     """
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        keys: Keys | None = None,
-        default_cap: int = DEFAULT_QUEUE_CAP,
-    ) -> None:
-        self.redis = client
-        self.keys = keys or Keys()
-        self.default_cap = default_cap
-        self._submit = client.register_script(SUBMIT_LUA)
-        self._capacity: dict[str | None, tuple[float, int | None]] = {}
-
     @classmethod
     def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> Producer:
         keys = Keys(prefix) if prefix else Keys()
         return cls(redis.Redis.from_url(url), keys=keys, **kwargs)
 
+    def _run(self, plan: ops.Plan[T]) -> T:
+        step = ops.Step(plan)
+        emitted = list(_Run(self).events(step))
+        assert not emitted, f"{emitted!r}: a plan that emits is carried out by _Run.events"
+        return step.value
+
     def capacity(self, model: str | None = None) -> int | None:
         """Largest job (prompt + max_new_tokens) a live worker for `model` holds; cached ~1 s."""
-        now = time.monotonic()
-        cached = self._capacity.get(model)
-        if cached is None or now - cached[0] > CAPACITY_TTL_S:
-            from tokenfleet.worker.recovery import live_workers
-
-            cached = (now, fleet_capacity(live_workers(self.redis, self.keys), model))
-            self._capacity[model] = cached
-        return cached[1]
+        return self._run(self._capacity_plan(model))
 
     def submit(self, request: GenerationRequest | None = None, /, **fields: Any) -> JobHandle:
         """Submit one job. Raises InvalidRequest, QueueFull, or JobRejected when no live
         worker could ever hold it."""
-        req = build_request(request, fields)
-        check_fleet_fits(req, self.capacity(req.model))
-        script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
-        reply = parse_submit_reply(self.keys, req, self._submit(keys=script_keys, args=args))
-        return self._handle(reply)
+        return self._handle(self._run(self._submit_plan(request, fields)))
 
     def submit_many(self, requests: Iterable[GenerationRequest]) -> list[SubmitOutcome]:
         """Submit many jobs in one round trip; each gets its own outcome, in order."""
-        reqs = list(requests)
-        outcomes: list[SubmitOutcome | None] = [None] * len(reqs)
-        pipe = self.redis.pipeline(transaction=False)
-        sent: list[int] = []
-        for i, req in enumerate(reqs):
-            try:
-                check_fleet_fits(req, self.capacity(req.model))
-            except JobRejected as exc:
-                outcomes[i] = SubmitOutcome(req.job_id, None, error=exc)
-                continue
-            script_keys, args = submit_call(self.keys, req, encode_request(req), self.default_cap)
-            self._submit(keys=script_keys, args=args, client=pipe)
-            sent.append(i)
-        replies = pipe.execute(raise_on_error=False) if sent else []
-        for i, reply in zip(sent, replies, strict=True):
-            req = reqs[i]
-            try:
-                if isinstance(reply, Exception):
-                    raise reply
-                parsed = parse_submit_reply(self.keys, req, reply)
-                handle = self._handle(parsed)
-                outcomes[i] = SubmitOutcome(req.job_id, handle, duplicate=parsed.duplicate)
-            except (QueueFull, redis.RedisError) as exc:
-                outcomes[i] = SubmitOutcome(req.job_id, None, error=exc)
-        return [o for o in outcomes if o is not None]
+        return [
+            SubmitOutcome(job_id, None, error=error)
+            if reply is None
+            else SubmitOutcome(job_id, self._handle(reply), duplicate=reply.duplicate)
+            for job_id, reply, error in self._run(self._submit_many_plan(requests, check_fit=True))
+        ]
 
     def handle(self, job_id: str) -> JobHandle:
         """A handle on a job submitted earlier (by anyone)."""
@@ -154,30 +148,11 @@ class Producer:
 
     def depth(self, model: str | None = None) -> int:
         """Accepted, unfinished jobs: XLEN of the jobs stream."""
-        return int(self.redis.xlen(self.keys.jobs(model)))
+        return self._run(self._depth_plan(model))
 
 
-class JobHandle:
+class JobHandle(HandleCore["Producer"]):
     """Follow one job: its tokens in order, its result, its status; cancel it."""
-
-    def __init__(
-        self, producer: Producer, job_id: str, *, entry_id: str = "", duplicate: bool = False
-    ) -> None:
-        self.producer = producer
-        self.id = job_id
-        self.entry_id = entry_id
-        self.duplicate = duplicate
-        self.finish: FinishEvent | None = None
-        # Seen to exist (it was submitted here, or a read found it): if its state then
-        # vanishes, following it raises JobLost rather than JobNotFound.
-        self._known = bool(entry_id)
-
-    def __repr__(self) -> str:
-        return f"JobHandle({self.id!r})"
-
-    @property
-    def _redis(self) -> redis.Redis:
-        return self.producer.redis
 
     def stream(self, timeout: float | None = STREAM_IDLE_TIMEOUT_S) -> Iterator[TokenEvent]:
         """Yield the job's token events, each once, in index order; end after its finish.
@@ -192,45 +167,7 @@ class JobHandle:
         ConnectionError is raised). Raises JobLost when the job's state vanished from
         Redis (JobNotFound for an id never seen): see `JobFollower`.
         """
-        keys = self.producer.keys
-        follow = JobFollower(self.id, timeout, known=self._known)
-        pubsub: Any = None
-        try:
-            while True:
-                try:
-                    if pubsub is None:  # (re)connect: subscribe, then replay
-                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                        pubsub.subscribe(keys.channel(self.id))
-                        self._sync(follow, replay=True, check=True)
-                        follow.connected(time.monotonic())
-                    events = follow.ready(time.monotonic())
-                    if not events:
-                        follow.raise_if_over(time.monotonic())
-                        message = pubsub.get_message(timeout=REPLAY_POLL_S)
-                        replay, check = follow.after_wait(message, time.monotonic())
-                        if replay or check:
-                            self._sync(follow, replay=replay, check=check)
-                        continue
-                except TRANSIENT_ERRORS as exc:
-                    _close_quietly(pubsub)
-                    pubsub = None
-                    time.sleep(follow.disconnected(exc, time.monotonic()))
-                    continue
-                for event in events:
-                    if isinstance(event, FinishEvent):
-                        self.finish = event
-                        return
-                    yield event
-        finally:
-            self._known = follow.known
-            _close_quietly(pubsub)
-
-    def _sync(self, follow: JobFollower, *, replay: bool, check: bool) -> None:
-        """One round trip: the replay stream from the last entry read, and/or whether the
-        job's hash or result still exists."""
-        pipe = self._redis.pipeline(transaction=False)
-        follow.queue_sync(pipe, self.producer.keys, replay=replay, check=check)
-        follow.absorb(pipe.execute(), replay=replay, check=check, now=time.monotonic())
+        return _Run(self.producer).events(ops.Step(self._stream_plan(timeout)))
 
     def result(self, timeout: float | None = None) -> JobResult:
         """The job's final result; raises JobRejected / JobFailed / JobTimeout, JobLost when
@@ -238,51 +175,13 @@ class JobHandle:
 
         `timeout` bounds the whole wait (None: forever). Lost connections are retried
         with backoff until it passes (then the last ConnectionError is raised)."""
-        keys = self.producer.keys
-        wait = ResultWait(self.id, timeout, known=self._known)
-        pubsub: Any = None
-        try:
-            while True:
-                try:
-                    if pubsub is None:
-                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                        pubsub.subscribe(keys.channel(self.id))
-                    pipe = self._redis.pipeline(transaction=False)
-                    wait.queue_look(pipe, keys)
-                    result = wait.absorb(*pipe.execute())
-                    if result is not None:
-                        return result
-                    # Any event on the channel is a cue to look again; silence re-checks anyway.
-                    pubsub.get_message(timeout=wait.pause(time.monotonic()))
-                except TRANSIENT_ERRORS as exc:
-                    _close_quietly(pubsub)
-                    pubsub = None
-                    time.sleep(wait.disconnected(exc, time.monotonic()))
-        finally:
-            self._known = wait.known
-            _close_quietly(pubsub)
+        return self.producer._run(self._result_plan(timeout))
 
     def cancel(self) -> bool:
         """Ask the fleet to stop this job (within one tick wherever it runs).
 
         Returns False when the job is unknown or already finished."""
-        keys = self.producer.keys
-        state = self._redis.hget(keys.job(self.id), "status")
-        if state is None or state == b"finished":
-            return False
-        self._redis.set(keys.cancel(self.id), 1, ex=CANCEL_TTL_S)
-        return True
+        return self.producer._run(self._cancel_plan())
 
     def status(self) -> JobStatus:
-        raw = self._redis.hgetall(self.producer.keys.job(self.id))
-        if not raw:
-            raise JobNotFound(self.id)
-        fields = {k.decode(): v.decode() for k, v in raw.items()}
-        return JobStatus(self.id, fields.get("status", "unknown"), fields)
-
-
-def _close_quietly(pubsub: Any) -> None:
-    """Close a subscription whose connection may already be broken."""
-    if pubsub is not None:
-        with contextlib.suppress(redis.RedisError, OSError):
-            pubsub.close()
+        return self.producer._run(self._status_plan())

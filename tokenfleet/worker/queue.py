@@ -26,6 +26,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from tokenfleet.errors import ProtocolError
+from tokenfleet.fleet import is_missing_group
 from tokenfleet.keys import (
     DEAD_LETTERS_MAXLEN,
     EVENTS_MAXLEN,
@@ -36,18 +37,17 @@ from tokenfleet.keys import (
     WORKER_TTL_S,
     Keys,
 )
+from tokenfleet.lua import (
+    ACCEPT_LUA,
+    CLAIM_ORPHANS_LUA,
+    DEAD_LETTER_LUA,
+    PROBE_LUA,
+    REDELIVER_LUA,
+    TICK_LUA,
+)
 from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_event, encode
 from tokenfleet.worker.errors import RedisAccessError
-from tokenfleet.worker.recovery import (
-    CLAIM_ORPHANS_LUA,
-    Delivery,
-    claim_orphan_entries,
-    delivery,
-    is_missing_group,
-    live_workers,
-    lua,
-    queue_stats,
-)
+from tokenfleet.worker.recovery import Delivery, claim_orphan_entries, delivery
 
 __all__ = [
     "Delivery",
@@ -57,18 +57,9 @@ __all__ = [
     "TickWrite",
     "Verdict",
     "WorkerQueue",
-    "live_workers",
-    "queue_stats",
 ]
 
 ScriptArg = str | bytes | int | float
-
-_OWNED_ENTRY_LUA = lua("owned_entry.lua")  # shared functions, prepended to the next four
-TICK_LUA = _OWNED_ENTRY_LUA + lua("tick.lua")
-DEAD_LETTER_LUA = _OWNED_ENTRY_LUA + lua("dead_letter.lua")
-REDELIVER_LUA = _OWNED_ENTRY_LUA + lua("redeliver.lua")
-ACCEPT_LUA = _OWNED_ENTRY_LUA + lua("accept.lua")
-PROBE_LUA = lua("probe.lua")
 
 
 class Verdict(StrEnum):

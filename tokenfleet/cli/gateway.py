@@ -1,4 +1,4 @@
-"""`tokenfleet gateway`: serve the OpenAI-compatible HTTP API (registered in cli.py).
+"""`tokenfleet gateway`: serve the OpenAI-compatible HTTP API.
 
 API keys come from `--api-key` (repeatable) and `$TOKENFLEET_API_KEYS`
 (comma-separated), read here at the edge. The limits (queue timeout, body size,
@@ -14,6 +14,8 @@ import os
 from typing import Annotated, Any
 
 import typer
+
+from tokenfleet.cli.common import Prefix, RedisUrl, fail, settings
 
 API_KEYS_ENV = "TOKENFLEET_API_KEYS"
 
@@ -98,18 +100,12 @@ def gateway(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level")] = "info",
-    redis_url: Annotated[
-        str | None,
-        typer.Option(
-            "--redis-url", help="Redis URL (default: $REDIS_URL or redis://127.0.0.1:6379/0)"
-        ),
-    ] = None,
-    prefix: Annotated[str | None, typer.Option("--prefix", help="key prefix of the fleet")] = None,
+    redis_url: RedisUrl = None,
+    prefix: Prefix = None,
 ) -> None:
     """Serve OpenAI-compatible /v1/completions and /v1/chat/completions over the fleet."""
     import uvicorn
 
-    from tokenfleet.cli import fail, settings
     from tokenfleet.gateway.app import create_app
     from tokenfleet.gateway.service import GatewayConfig
 

@@ -1,0 +1,107 @@
+"""`build_worker` (tokenfleet/worker/main.py) without the command line, on a real Redis.
+
+It builds what the settings and flags say: a flag given wins, a flag left as None
+takes the setting (`$TOKENFLEET_MODEL`, `$TOKENFLEET_DEVICE`, `$TOKENFLEET_DTYPE`),
+and the worker it returns serves jobs from the fleet the settings name.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+import pytest
+
+from tokenfleet.config import Settings
+from tokenfleet.errors import JobFailed, ModelLoadError
+from tokenfleet.keys import Keys
+from tokenfleet.producer import Producer
+from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.engine import EngineConfig
+from tokenfleet.worker.loop import WorkerOptions
+from tokenfleet.worker.main import InvalidBudget, build_worker
+
+MiB = 1024 * 1024
+PREFIX = "wm:"
+
+
+def fleet_settings(redis_url: str, **fields: str) -> Settings:
+    """The settings `tokenfleet worker --redis-url URL --prefix wm:` would pass on."""
+    return Settings().model_copy(update={"redis_url": redis_url, "prefix": PREFIX, **fields})
+
+
+def test_settings_from_the_environment_choose_model_device_and_dtype(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    monkeypatch.setenv("TOKENFLEET_PREFIX", PREFIX)
+    monkeypatch.setenv("TOKENFLEET_MODEL", "tiny-random")
+    monkeypatch.setenv("TOKENFLEET_DEVICE", "cpu")
+    monkeypatch.setenv("TOKENFLEET_DTYPE", "bfloat16")
+    worker = build_worker(Settings(), options=WorkerOptions(name="wm-env", burst=True))
+
+    assert worker.options.info["checkpoint"] == "tiny-random"
+    assert worker.options.info["device"] == "cpu"
+    assert worker.options.info["dtype"] == "bfloat16"
+    assert worker.options.info["model"] == "default"  # no --model-name: the default stream
+    assert worker.engine.config == EngineConfig()
+    assert worker.engine.fault is None
+    assert worker.keys == Keys(PREFIX)
+    client = worker.redis.connection_pool.connection_kwargs
+    assert (client["port"], client["socket_timeout"]) == (urlsplit(redis_url).port, 10)
+
+
+def test_the_model_setting_is_what_loads_when_no_flag_names_one(redis_url: str) -> None:
+    conf = fleet_settings(redis_url, model="/no/such/checkpoint", device="cpu")
+    with pytest.raises(ModelLoadError, match="'/no/such/checkpoint' is neither a preset"):
+        build_worker(conf)
+    with pytest.raises(ModelLoadError, match="unsupported dtype 'int8'"):
+        build_worker(fleet_settings(redis_url, dtype="int8"), checkpoint="tiny-random")
+
+
+def test_flags_win_over_settings_and_the_worker_serves_its_stream(redis_url: str) -> None:
+    conf = fleet_settings(redis_url, model="/no/such/checkpoint", device="cuda:7", dtype="int8")
+    engine = EngineConfig(
+        kv_budget_bytes=2 * MiB,
+        max_active=3,
+        max_batch_size=2,
+        max_prefill_tokens_per_tick=64,
+        max_waiting=1,
+    )
+    options = WorkerOptions(name="wm-flags", model="small", burst=True, max_deliveries=1)
+    worker = build_worker(
+        conf,
+        checkpoint="tiny-random",
+        device="cpu",
+        dtype="float32",
+        engine=engine,
+        options=options,
+        fault_key="poison",
+    )
+
+    assert worker.engine.config == engine
+    assert worker.engine.budget.kv_budget_bytes == 2 * MiB
+    assert worker.engine.budget.max_active == 3
+    info = worker.options.info
+    assert (info["checkpoint"], info["device"], info["dtype"]) == ("tiny-random", "cpu", "float32")
+    assert (info["model"], worker.options.name, worker.engine.worker) == (
+        "small",
+        "wm-flags",
+        "wm-flags",
+    )
+
+    producer = Producer.from_url(redis_url, prefix=PREFIX)
+    good = producer.submit(prompt="hello", max_new_tokens=5, model="small", ignore_eos=True)
+    bad = producer.submit(prompt="bad", max_new_tokens=5, model="small", metadata={"poison": 1})
+    assert worker.run() == 0  # burst: the stream is empty and nothing runs
+
+    result = good.result(timeout=10)
+    assert result.finish_reason == FinishReason.LENGTH
+    assert (result.usage.completion_tokens, result.worker) == (5, "wm-flags")
+    with pytest.raises(JobFailed, match="injected fault"):
+        bad.result(timeout=10)
+
+
+def test_a_budget_that_does_not_fit_the_model_is_an_invalid_budget(redis_url: str) -> None:
+    conf = fleet_settings(redis_url, device="cpu")
+    with pytest.raises(InvalidBudget, match=r"^invalid budget: kv_budget_bytes"):
+        build_worker(conf, engine=EngineConfig(kv_budget_bytes=0))

@@ -1,0 +1,52 @@
+"""The `tokenfleet` command line: one module per command group, registered here.
+
+Settings and flags are read in these modules only (`common.settings` puts the
+flags over the environment); each command parses its flags and hands them to
+the code that does the work (`tokenfleet.worker.main.build_worker`, the producer,
+`tokenfleet.status`, ...). Heavy imports (torch, redis, the gateway) wait until a
+command runs, so `tokenfleet --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from tokenfleet.cli import admin, fleet, gateway, jobs, worker
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="tokenfleet",
+    help="A fleet of continuous-batching LLM workers coordinated through Redis.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+# in the order `tokenfleet --help` lists them
+app.command("queue-cap")(jobs.queue_cap)
+app.command("submit")(jobs.submit)
+app.command("worker")(worker.worker)
+app.command("demo")(fleet.demo)
+app.command("status")(fleet.status)
+app.command("top")(fleet.top)
+app.command("up")(fleet.up)
+app.command("dead-letters")(jobs.dead_letters)
+app.command("gateway")(gateway.gateway)
+app.command(
+    "bench",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(admin.bench)
+app.command("acl")(admin.acl)
+
+
+def main() -> None:
+    """The console entry point: run the app; an unreachable Redis is exit code 2."""
+    import redis
+
+    try:
+        app()
+    except redis.ConnectionError as exc:
+        typer.echo(f"error: cannot reach Redis ({exc})", err=True)
+        sys.exit(2)

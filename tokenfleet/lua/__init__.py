@@ -1,0 +1,51 @@
+"""Every Lua script tokenfleet runs, declared once: name → source, read from the .lua
+files beside this module (each starts with its KEYS/ARGV header).
+
+owned_entry.lua is not a script: it holds the owner check and the helpers of the
+scripts that act on a jobs-stream entry a worker owns (accept, tick, dead_letter,
+redeliver), and is prepended to each of them here. Callers register the text they
+need (`client.register_script(TICK_LUA)`); nothing else reads tokenfleet/lua/.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from types import MappingProxyType
+
+
+def _read(name: str) -> str:
+    return resources.files(__name__).joinpath(f"{name}.lua").read_text()
+
+
+_OWNED_ENTRY = _read("owned_entry")
+
+SUBMIT_LUA = _read("submit")  # producers: accept one job into its capped jobs stream
+ACCEPT_LUA = _OWNED_ENTRY + _read("accept")  # worker: check entries just read, mark them running
+TICK_LUA = _OWNED_ENTRY + _read("tick")  # worker: one tick's fenced writes for every held job
+DEAD_LETTER_LUA = _OWNED_ENTRY + _read("dead_letter")  # worker: dead-letter an owned entry
+REDELIVER_LUA = _OWNED_ENTRY + _read("redeliver")  # worker: count an in-process retry
+CLAIM_ORPHANS_LUA = _read("claim_orphans")  # worker: take over the entries of dead workers
+PROBE_LUA = _read("probe")  # worker: at start, which of its commands its ACL user may not run
+
+SCRIPTS = MappingProxyType(
+    {
+        "submit": SUBMIT_LUA,
+        "accept": ACCEPT_LUA,
+        "tick": TICK_LUA,
+        "dead_letter": DEAD_LETTER_LUA,
+        "redeliver": REDELIVER_LUA,
+        "claim_orphans": CLAIM_ORPHANS_LUA,
+        "probe": PROBE_LUA,
+    }
+)
+
+__all__ = [
+    "ACCEPT_LUA",
+    "CLAIM_ORPHANS_LUA",
+    "DEAD_LETTER_LUA",
+    "PROBE_LUA",
+    "REDELIVER_LUA",
+    "SCRIPTS",
+    "SUBMIT_LUA",
+    "TICK_LUA",
+]
