@@ -34,6 +34,7 @@ FAST_MODULES = frozenset(
         "test_compose.py",
         "test_engine.py",
         "test_keys.py",
+        "test_imports.py",
         "test_kv.py",
         "test_lua_scripts.py",
         "test_model_reference.py",
