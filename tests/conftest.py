@@ -35,6 +35,7 @@ FAST_MODULES = frozenset(
         "test_engine.py",
         "test_keys.py",
         "test_imports.py",
+        "test_hub.py",
         "test_kv.py",
         "test_lua_scripts.py",
         "test_model_reference.py",

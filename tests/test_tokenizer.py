@@ -177,3 +177,41 @@ def test_bpe_stream_matches_decode(text: str) -> None:
 def test_bpe_stream_of_arbitrary_ids(ids: list[int]) -> None:
     # Random ids can form invalid UTF-8; concatenation must still equal decode().
     assert "".join(_stream(_bpe(), ids)) == _bpe().decode(ids)
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chat_template_saved_by_transformers_today_is_found(tmp_path: Path) -> None:
+    """transformers >= 4.43 writes the template to chat_template.jinja, not into
+    tokenizer_config.json: a folder saved that way must still serve chat jobs."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenfleet.model.chat import render_chat
+
+    _byte_level_bpe(tmp_path)
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    fast.chat_template = CHATML
+    saved = tmp_path / "saved"
+    fast.save_pretrained(saved)
+    config = json.loads((saved / "tokenizer_config.json").read_text())
+    assert (saved / "chat_template.jinja").is_file() and "chat_template" not in config
+    tok = HFTokenizer.from_dir(saved)
+    assert tok.chat_template == CHATML
+    turns = [{"role": "user", "content": "hi"}]
+    want = fast.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    assert render_chat(tok, turns) == want
+
+
+def test_chat_template_json_and_precedence(tmp_path: Path) -> None:
+    _byte_level_bpe(tmp_path)  # tokenizer_config.json holds "{{x}}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "{{json}}"}))
+    assert HFTokenizer.from_dir(tmp_path).chat_template == "{{json}}"
+    (tmp_path / "chat_template.jinja").write_text("{{jinja}}")
+    assert HFTokenizer.from_dir(tmp_path).chat_template == "{{jinja}}"
+    (tmp_path / "chat_template.jinja").write_bytes(b"\xff\xfe{{")
+    with pytest.raises(ModelLoadError, match=r"chat_template\.jinja"):
+        HFTokenizer.from_dir(tmp_path)

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
 from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.presets import PRESETS
 from tokenfleet.model.tokenizer import HFTokenizer, Tokenizer
@@ -59,10 +60,12 @@ def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "au
         return _build(config, state, preset.tokenizer(), torch_dtype, torch_device)
 
     folder = Path(path_or_preset)
+    if looks_like_hub_id(path_or_preset):
+        folder = resolve_hub_id(path_or_preset)
     if not folder.is_dir():
         raise ModelLoadError(
-            f"{path_or_preset!r} is neither a preset ({', '.join(sorted(PRESETS))}) "
-            "nor a checkpoint folder"
+            f"{path_or_preset!r} is neither a preset ({', '.join(sorted(PRESETS))}), "
+            "a checkpoint folder nor a Hugging Face hub id (org/name)"
         )
     config = ModelConfig.from_json_file(folder / "config.json")
     files = _weight_files(folder)

@@ -37,8 +37,9 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` loaded from a checkpoint folder's `tokenizer.json`.
 
     `tokenizer_config.json` and `generation_config.json`, when present, supply the
-    eos/bos tokens and the chat template (kept as the raw Jinja string; rendering
-    it is the caller's business).
+    eos/bos tokens; `chat_template.jinja`, `chat_template.json` or
+    `tokenizer_config.json` (the first that has one) the chat template, kept as the
+    raw Jinja string (rendering it is the caller's business).
     """
 
     def __init__(
@@ -76,7 +77,8 @@ class HFTokenizer:
         bos = _token_id(tok, cfg.get("bos_token"))
         if bos is None and isinstance(gen.get("bos_token_id"), int):
             bos = gen["bos_token_id"]
-        return cls(tok, bos_token_id=bos, eos_token_ids=eos, chat_template=_template(cfg))
+        template = _template(folder, cfg)
+        return cls(tok, bos_token_id=bos, eos_token_ids=eos, chat_template=template)
 
     @property
     def vocab_size(self) -> int:
@@ -172,8 +174,23 @@ def _token_id(tok: _HFTokenizer, token: Any) -> int | None:
     return int(tid) if tid is not None else None
 
 
-def _template(cfg: dict[str, Any]) -> str | None:
-    tpl = cfg.get("chat_template")
+def _template(folder: Path, cfg: dict[str, Any]) -> str | None:
+    """The chat template, where transformers looks for it: `chat_template.jinja` (what
+    transformers >= 4.43 saves), `chat_template.json`, then `tokenizer_config.json`."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {jinja}: {e}") from e
+    for source in (_read_json(folder / "chat_template.json"), cfg):
+        found = _named_template(source.get("chat_template"))
+        if found is not None:
+            return found
+    return None
+
+
+def _named_template(tpl: Any) -> str | None:
     if isinstance(tpl, str):
         return tpl
     if isinstance(tpl, list):  # named templates: prefer "default"
