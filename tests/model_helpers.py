@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import LlamaForCausalLM
 
 from tokenfleet.model import KVPool, LlamaModel, SeqInput
 
@@ -49,11 +50,62 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         attention_bias=True,
         mlp_bias=True,
     ),
+    # The other families, two shapes each: a "family" key picks transformers' class.
+    "mistral-gqa": dict(
+        family="mistral",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+    ),
+    "mistral-window": dict(
+        family="mistral",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+        sliding_window=200,
+    ),
+    "qwen2-gqa": dict(
+        family="qwen2",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+    ),
+    "qwen2-tied-mha": dict(
+        family="qwen2",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-gqa": dict(
+        family="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32
+    ),
+    "qwen3-tied-hd64": dict(
+        family="qwen3",
+        hidden_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+}
+
+FAMILY_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
 
 def make_hf_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
-    """A randomly initialised LlamaForCausalLM (fp32, eval mode)."""
+    """A randomly initialised LlamaForCausalLM (fp32, eval mode), or another family's
+    model with `family="qwen3"` etc. (typed as Llama: the tests use what they share)."""
+    family = overrides.pop("family", "llama")
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILY_CLASSES[family])
     kwargs: dict[str, Any] = dict(
         vocab_size=512,
         hidden_size=64,
@@ -68,14 +120,20 @@ def make_hf_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
     )
     kwargs.update(overrides)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**kwargs)).eval()
-    if model.config.attention_bias or model.config.mlp_bias:
+    model = model_cls(config_cls(**kwargs)).eval()
+    biased = family == "qwen2" or getattr(model.config, "attention_bias", False)
+    if biased or getattr(model.config, "mlp_bias", False):
         # HF initialises biases to zero; make them matter.
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.02)
-    return model
+    if family == "qwen3":  # the q/k norms start at ones; make them matter too
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.1)
+    return model  # type: ignore[no-any-return]
 
 
 def save_hf_llama(model: LlamaForCausalLM, path: Path, **save_kwargs: Any) -> Path:

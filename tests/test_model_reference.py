@@ -52,7 +52,9 @@ def pair(
 def test_config_read_back(pair: tuple[LlamaForCausalLM, LoadedModel]) -> None:
     hf, loaded = pair
     c = loaded.config
-    assert c.head_dim == hf.config.head_dim
+    hf_head_dim = getattr(hf.config, "head_dim", None)
+    assert c.head_dim == (hf_head_dim or hf.config.hidden_size // hf.config.num_attention_heads)
+    assert c.family == hf.config.model_type
     assert c.num_kv_heads == hf.config.num_key_value_heads
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
     assert c.param_count == sum(p.numel() for p in hf.parameters())
@@ -227,10 +229,12 @@ def test_load_errors_are_named(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=r"no model\.safetensors"):
         load_model(str(tmp_path))
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    cfg.update(architectures=["MambaForCausalLM"], model_type="mamba")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="unsupported architecture"):
+    with pytest.raises(ModelLoadError, match="unsupported architecture") as err:
         load_model(str(tmp_path))
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3"):
+        assert supported in str(err.value)
     with pytest.raises(ModelLoadError, match="unsupported dtype"):
         load_model("tiny-random", dtype="int8")
 
@@ -315,3 +319,30 @@ def test_tiny_random_is_identical_across_processes() -> None:
         for _ in range(2)
     }
     assert len(digests) == 1 and len(next(iter(digests))) == 64
+
+
+def test_family_flags_and_sliding_window_cap() -> None:
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=4096,
+    )
+    mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 1024})
+    assert mistral.family == "mistral" and mistral.max_position_embeddings == 1024
+    unwindowed = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": None})
+    assert unwindowed.max_position_embeddings == 4096
+    qwen2 = ModelConfig.from_hf_dict(
+        {
+            **base,
+            "architectures": ["Qwen2ForCausalLM"],
+            "sliding_window": 512,
+            "use_sliding_window": False,
+        }
+    )
+    assert qwen2.family == "qwen2" and qwen2.qkv_bias and not qwen2.attention_bias
+    assert qwen2.max_position_embeddings == 4096  # the window is off
+    qwen3 = ModelConfig.from_hf_dict({**base, "model_type": "qwen3", "head_dim": 16})
+    assert qwen3.qk_norm and not qwen3.has_qkv_bias

@@ -1,4 +1,12 @@
-"""The shape of a Llama-family decoder, read once from a Hugging Face `config.json`."""
+"""The shape of a Llama-family decoder, read once from a Hugging Face `config.json`.
+
+One decoder serves several open families; each is a variation the config names:
+
+    llama    (as published; optional biases on every attention / MLP projection)
+    mistral  Llama's shape; a sliding window caps the context (below it, exact)
+    qwen2    bias on the q/k/v projections (not on o)
+    qwen3    per-head RMSNorm of q and k before the rotary embedding, no bias
+"""
 
 from __future__ import annotations
 
@@ -9,8 +17,15 @@ from typing import Any
 
 from tokenfleet.model.errors import ModelConfigError
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+# model_type -> the architecture class transformers saves it as
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_ARCHITECTURES = frozenset(FAMILIES.values())
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -55,8 +70,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q, k, v and o
     mlp_bias: bool = False
+    qkv_bias: bool = False  # bias on q, k and v only (qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (qwen3)
+    family: str = "llama"
 
     def __post_init__(self) -> None:
         for name in (
@@ -79,6 +97,8 @@ class ModelConfig:
             )
         if self.head_dim % 2 != 0:
             raise ModelConfigError(f"head_dim must be even for rotary embeddings: {self.head_dim}")
+        if self.family not in FAMILIES:
+            raise ModelConfigError(f"unknown family {self.family!r}; supported: {sorted(FAMILIES)}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
         bos = () if self.bos_token_id is None else (self.bos_token_id,)
@@ -87,6 +107,10 @@ class ModelConfig:
                 raise ModelConfigError(f"special token id {tid} outside vocab {self.vocab_size}")
 
     # ---- derived quantities -------------------------------------------------
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        return self.attention_bias or self.qkv_bias
 
     @property
     def heads_per_kv_head(self) -> int:
@@ -101,8 +125,12 @@ class ModelConfig:
         h, hd = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
         attn = h * (q_out + 2 * kv_out) + q_out * h
+        if self.has_qkv_bias:
+            attn += q_out + 2 * kv_out
         if self.attention_bias:
-            attn += q_out + 2 * kv_out + h
+            attn += h
+        if self.qk_norm:
+            attn += 2 * hd
         mlp = 3 * h * self.intermediate_size
         if self.mlp_bias:
             mlp += 2 * self.intermediate_size + h
@@ -159,6 +187,10 @@ class ModelConfig:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type is None and archs:
+            by_arch = {arch: fam for fam, arch in FAMILIES.items()}
+            model_type = next(by_arch[a] for a in archs if a in by_arch)
+        family = model_type or "llama"
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
@@ -180,12 +212,15 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 rope_scaling=scaling,
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_context_length(d, family),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=_as_id_tuple(d.get("eos_token_id")),
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
+                qkv_bias=family == "qwen2",
+                qk_norm=family == "qwen3",
+                family=family,
             )
         except KeyError as e:
             raise ModelConfigError(f"config is missing required key {e.args[0]!r}") from e
@@ -206,6 +241,18 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ModelConfigError(f"{p} must hold a JSON object")
         return cls.from_hf_dict(d)
+
+
+def _context_length(d: dict[str, Any], family: str) -> int:
+    """The longest context served exactly: a sliding window (Mistral; Qwen when it is
+    switched on) caps it, because this model attends over the whole context and the
+    two agree only while the context fits in the window."""
+    limit = int(d.get("max_position_embeddings", 2048))
+    window = d.get("sliding_window")
+    uses_window = d.get("use_sliding_window", family == "mistral")
+    if uses_window and isinstance(window, int) and 0 < window < limit:
+        return window
+    return limit
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -19,21 +19,8 @@ from tokenfleet.model.attention.layer import ForwardContext
 from tokenfleet.model.batch import SeqInput, TickBuffers
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.norm import RMSNorm
 from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 whatever the model dtype (bf16 variance is too coarse),
-        # then scale in the model dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 class SwiGLU(nn.Module):

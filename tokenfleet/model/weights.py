@@ -1,4 +1,4 @@
-"""Hugging Face Llama weight names, and their mapping onto this package's fused layout.
+"""Hugging Face Llama-family weight names, and their mapping onto this package's fused layout.
 
 The checkpoint stores q/k/v and gate/up projections separately; the model keeps
 each group as one matrix (rows [q | k | v] and [gate | up]) so a layer does two
@@ -30,8 +30,12 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         attn["o_proj"] = (h, q_out)
         for name, shape in attn.items():
             shapes[f"{p}self_attn.{name}.weight"] = shape
-            if config.attention_bias:
+            biased = config.attention_bias if name == "o_proj" else config.has_qkv_bias
+            if biased:
                 shapes[f"{p}self_attn.{name}.bias"] = shape[:1]
+        if config.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
         mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
         for name, shape in mlp.items():
             shapes[f"{p}mlp.{name}.weight"] = shape
@@ -55,7 +59,7 @@ def check_hf_names(config: ModelConfig, found: Mapping[str, tuple[int, ...]]) ->
     unexpected = sorted(names - set(expected))
     if missing or unexpected:
         raise ModelLoadError(
-            f"checkpoint does not match a Llama config: missing {_few(missing)}, "
+            f"checkpoint does not match a {config.family} config: missing {_few(missing)}, "
             f"unexpected {_few(unexpected)}"
         )
     for name, shape in expected.items():
@@ -66,14 +70,19 @@ def check_hf_names(config: ModelConfig, found: Mapping[str, tuple[int, ...]]) ->
 def to_model_state(config: ModelConfig, hf: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Map checkpoint tensors (already in the target dtype/device) to `LlamaModel` names."""
     state = {"embed_tokens.weight": hf["model.embed_tokens.weight"]}
-    kinds = ("weight", "bias") if config.attention_bias else ("weight",)
+    kinds = ("weight", "bias") if config.has_qkv_bias else ("weight",)
+    o_kinds = ("weight", "bias") if config.attention_bias else ("weight",)
     mlp_kinds = ("weight", "bias") if config.mlp_bias else ("weight",)
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for kind in kinds:
             qkv = [hf[f"{src}self_attn.{n}_proj.{kind}"] for n in ("q", "k", "v")]
             state[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(qkv, dim=0)
+        for kind in o_kinds:
             state[f"{dst}self_attn.o_proj.{kind}"] = hf[f"{src}self_attn.o_proj.{kind}"]
+        if config.qk_norm:
+            for norm in ("q_norm", "k_norm"):
+                state[f"{dst}self_attn.{norm}.weight"] = hf[f"{src}self_attn.{norm}.weight"]
         for kind in mlp_kinds:
             gate_up = [hf[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")]
             state[f"{dst}mlp.gate_up_proj.{kind}"] = torch.cat(gate_up, dim=0)

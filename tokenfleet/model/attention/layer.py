@@ -1,4 +1,5 @@
-"""The attention layer: fused q/k/v projection, rotary embedding, KV write, backend, output."""
+"""The attention layer: fused q/k/v projection, (qwen3) q/k norms, rotary embedding, KV
+write, backend, output."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tokenfleet.model.attention.backend import AttentionBackend
 from tokenfleet.model.batch import BatchPlan
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.norm import RMSNorm
 from tokenfleet.model.rope import apply_rope
 
 
@@ -37,18 +39,23 @@ class Attention(nn.Module):
         kv_out = config.num_kv_heads * config.head_dim
         self.split_sizes = [q_out, kv_out, kv_out]
         # q, k and v projections fused into one matmul: rows [q | k | v] of the weight.
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, q_out + 2 * kv_out, bias=config.attention_bias
-        )
+        self.qkv_proj = nn.Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.has_qkv_bias)
         self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.attention_bias)
+        # qwen3: each head of q and k is RMS-normalised before the rotary embedding
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         cos, sin, plan = ctx.cos, ctx.sin, ctx.plan
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, H, hd]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, KVH, hd]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
 
         k_cache, v_cache = ctx.kv.layer_slots(self.layer_idx)  # [slots, KVH, hd] views of the pool
