@@ -91,6 +91,21 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         head_dim=64,
         tie_word_embeddings=True,
     ),
+    "phi3-gqa": dict(
+        family="phi3",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    ),
+    "phi3-mha-window": dict(
+        family="phi3",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        sliding_window=200,
+    ),
 }
 
 FAMILY_CLASSES = {
@@ -98,6 +113,7 @@ FAMILY_CLASSES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 

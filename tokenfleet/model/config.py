@@ -6,6 +6,8 @@ One decoder serves several open families; each is a variation the config names:
     mistral  Llama's shape; a sliding window caps the context (below it, exact)
     qwen2    bias on the q/k/v projections (not on o)
     qwen3    per-head RMSNorm of q and k before the rotary embedding, no bias
+    phi3     Llama's math; the checkpoint stores q/k/v and gate/up already fused
+             (a sliding window caps the context, as for mistral)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 SUPPORTED_ARCHITECTURES = frozenset(FAMILIES.values())
 SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
@@ -194,6 +197,11 @@ class ModelConfig:
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ModelConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
+        rotary = (d.get("rope_parameters") or {}).get(
+            "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
+        )
+        if rotary not in (None, 1, 1.0):
+            raise ModelConfigError(f"partial rotary embeddings ({rotary}) are not supported")
         if d.get("pretraining_tp", 1) not in (None, 1):
             raise ModelConfigError("pretraining_tp > 1 checkpoints are not supported")
         try:
@@ -249,7 +257,7 @@ def _context_length(d: dict[str, Any], family: str) -> int:
     two agree only while the context fits in the window."""
     limit = int(d.get("max_position_embeddings", 2048))
     window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", family == "mistral")
+    uses_window = d.get("use_sliding_window", family in ("mistral", "phi3"))
     if uses_window and isinstance(window, int) and 0 < window < limit:
         return window
     return limit

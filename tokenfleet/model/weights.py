@@ -27,6 +27,8 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         attn = {"q_proj": (q_out, h), "k_proj": (kv_out, h), "v_proj": (kv_out, h)}
+        if config.family == "phi3":  # stored fused, rows [q | k | v]
+            attn = {"qkv_proj": (q_out + 2 * kv_out, h)}
         attn["o_proj"] = (h, q_out)
         for name, shape in attn.items():
             shapes[f"{p}self_attn.{name}.weight"] = shape
@@ -37,6 +39,8 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}self_attn.q_norm.weight"] = (hd,)
             shapes[f"{p}self_attn.k_norm.weight"] = (hd,)
         mlp = {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+        if config.family == "phi3":  # stored fused, rows [gate | up]
+            mlp = {"gate_up_proj": (2 * inter, h), "down_proj": (h, inter)}
         for name, shape in mlp.items():
             shapes[f"{p}mlp.{name}.weight"] = shape
             if config.mlp_bias:
@@ -76,16 +80,14 @@ def to_model_state(config: ModelConfig, hf: Mapping[str, Tensor]) -> dict[str, T
     for i in range(config.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for kind in kinds:
-            qkv = [hf[f"{src}self_attn.{n}_proj.{kind}"] for n in ("q", "k", "v")]
-            state[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(qkv, dim=0)
+            state[f"{dst}self_attn.qkv_proj.{kind}"] = _fused(hf, f"{src}self_attn.", "qkv", kind)
         for kind in o_kinds:
             state[f"{dst}self_attn.o_proj.{kind}"] = hf[f"{src}self_attn.o_proj.{kind}"]
         if config.qk_norm:
             for norm in ("q_norm", "k_norm"):
                 state[f"{dst}self_attn.{norm}.weight"] = hf[f"{src}self_attn.{norm}.weight"]
         for kind in mlp_kinds:
-            gate_up = [hf[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")]
-            state[f"{dst}mlp.gate_up_proj.{kind}"] = torch.cat(gate_up, dim=0)
+            state[f"{dst}mlp.gate_up_proj.{kind}"] = _fused(hf, f"{src}mlp.", "gate_up", kind)
             state[f"{dst}mlp.down_proj.{kind}"] = hf[f"{src}mlp.down_proj.{kind}"]
         for norm in ("input_layernorm", "post_attention_layernorm"):
             state[f"{dst}{norm}.weight"] = hf[f"{src}{norm}.weight"]
@@ -94,6 +96,16 @@ def to_model_state(config: ModelConfig, hf: Mapping[str, Tensor]) -> dict[str, T
         state["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
     )
     return state
+
+
+def _fused(hf: Mapping[str, Tensor], prefix: str, group: str, kind: str) -> Tensor:
+    """`group`'s rows as one matrix: taken as is where the checkpoint stores it fused
+    (phi3), else concatenated from its parts (q, k, v or gate, up)."""
+    fused = hf.get(f"{prefix}{group}_proj.{kind}")
+    if fused is not None:
+        return fused
+    parts = ("q", "k", "v") if group == "qkv" else ("gate", "up")
+    return torch.cat([hf[f"{prefix}{n}_proj.{kind}"] for n in parts], dim=0)
 
 
 def _few(names: list[str]) -> str:
