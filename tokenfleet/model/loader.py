@@ -43,10 +43,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
+    source_quant: str | None = None  # a GGUF file's most common matrix type, e.g. "Q4_1"
 
 
 def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    """Load a preset by name (see `presets.PRESETS`, checked first) or a checkpoint folder.
+    """Load a preset by name (see `presets.PRESETS`, checked first), a llama.cpp `.gguf`
+    file (see `gguf.load_gguf`) or a checkpoint folder.
 
     `device="auto"` picks cuda when available, else cpu.
     """
@@ -58,6 +60,11 @@ def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "au
         hf = {k: _place(t, torch_dtype, torch_device) for k, t in preset.hf_weights().items()}
         state = to_model_state(config, hf)
         return _build(config, state, preset.tokenizer(), torch_dtype, torch_device)
+
+    if path_or_preset.endswith(".gguf"):
+        from tokenfleet.model.gguf import load_gguf  # gguf.py imports this module
+
+        return load_gguf(path_or_preset, torch_dtype, torch_device)
 
     folder = Path(path_or_preset)
     if looks_like_hub_id(path_or_preset):

@@ -1,0 +1,262 @@
+"""Load a llama.cpp GGUF checkpoint (Llama architecture) onto a device.
+
+A GGUF file holds the config and the tokenizer as metadata and every tensor in
+one of ggml's formats (F32, F16, BF16, Q8_0, Q4_K, ...). Loading reads the
+metadata into a `ModelConfig`, walks the tensors as raw quantized rows
+(`iter_raw_tensors`, the seam a quantized runner can take over later),
+dequantizes each one to float32, casts and places it, and hands the Hugging
+Face-named result to the same builder the folder loader uses.
+
+GGUF lists a tensor's dims fastest-first, so a torch `[out, in]` matrix is
+stored as `[in, out]`; the reader already exposes numpy data in torch order
+(rows = out features, each row `in` elements or its quantized bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from tokenfleet.model import loader
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.errors import ModelConfigError, ModelLoadError
+from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
+from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# GGUF tensor name -> Hugging Face name; `{i}` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """One checkpoint tensor before dequantization.
+
+    `data` is in torch row order with llama.cpp's Q/K row permutation already
+    undone: `[rows, row_bytes]` uint8 for block-quantized types, `[rows, cols]`
+    (or `[n]`) of the float type otherwise. `shape` is the torch shape.
+    """
+
+    hf_name: str
+    gguf_name: str
+    data: np.ndarray[Any, Any]
+    quant: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> loader.LoadedModel:
+    """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized."""
+    file = Path(path)
+    reader = open_gguf(file)
+    config = gguf_config(reader, file)
+    found = {t.hf_name: t.shape for t in iter_raw_tensors(reader, config)}
+    check_hf_names(config, found)
+    wanted = set(hf_weight_shapes(config))
+    hf: dict[str, torch.Tensor] = {}
+    for raw in iter_raw_tensors(reader, config):
+        if raw.hf_name in wanted:
+            hf[raw.hf_name] = _place(dequantize_raw(raw), dtype, device)
+    tokenizer = tokenizer_from_gguf(reader, file)
+    loaded = loader._build(config, to_model_state(config, hf), tokenizer, dtype, device)
+    return dataclasses.replace(loaded, source_quant=source_quant(reader))
+
+
+def open_gguf(file: Path) -> GGUFReader:
+    if not file.is_file():
+        raise ModelLoadError(f"no GGUF file at {file}")
+    try:
+        return GGUFReader(file)
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors, ...
+        raise ModelLoadError(f"{file} is not a readable GGUF file (truncated?): {e}") from e
+
+
+def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
+    """The `ModelConfig` a Llama-architecture GGUF's metadata describes."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{file.name}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {list(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        value = field_value(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{file.name}: metadata is missing {arch}.{name}")
+        return value
+
+    for unsupported in ("rope.scaling.type",):
+        kind = field_value(reader, f"{arch}.{unsupported}")
+        if kind not in (None, "none"):
+            raise ModelLoadError(f"{file.name}: rope scaling {kind!r} is not supported yet")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            f"{file.name}: per-frequency rope factors (rope_freqs, Llama 3.1 style) "
+            "are not supported yet"
+        )
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rope_dims = int(key("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelLoadError(
+            f"{file.name}: partial rotary embeddings ({rope_dims} of {head_dim} dims) "
+            "are not supported"
+        )
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    if isinstance(tokens, list):
+        vocab = len(tokens)
+    elif embd := [t for t in reader.tensors if t.name == "token_embd.weight"]:
+        vocab = int(embd[0].shape[-1])  # dims fastest-first: [hidden, vocab]
+    else:
+        vocab = int(key("vocab_size"))
+    bos = field_value(reader, "tokenizer.ggml.bos_token_id")
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    try:
+        return ModelConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(key("feed_forward_length")),
+            num_layers=int(key("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(key("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(key("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(key("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=() if eos is None else (int(eos),),
+            attention_bias="blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names,
+        )
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelConfigError):
+            raise
+        raise ModelLoadError(f"{file.name}: malformed metadata: {e}") from e
+
+
+def iter_raw_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[RawTensor]:
+    """Every tensor with its Hugging Face name, raw (still quantized), in file order.
+
+    Unknown tensor names are yielded under their GGUF name so the name check
+    reports them. Q/K rows come back in Hugging Face order: permuting whole
+    rows commutes with ggml's row-wise block quantization.
+    """
+    for t in reader.tensors:
+        hf_name = hf_name_of(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data: np.ndarray[Any, Any] = t.data
+        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            data = unpermute_rows(data, config.num_heads)
+        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            data = unpermute_rows(data, config.num_kv_heads)
+        yield RawTensor(hf_name, t.name, data, GGMLQuantizationType(t.tensor_type), shape)
+
+
+def hf_name_of(gguf_name: str) -> str:
+    if m := _BLOCK_RE.match(gguf_name):
+        layer, part, kind = m.groups()
+        if part in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+    elif (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return gguf_name
+
+
+def unpermute_rows(data: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
+    """Undo convert_hf_to_gguf.py's `permute` of q_proj/k_proj rows.
+
+    llama.cpp stores each head's rotary pairs interleaved (rows of a head as
+    `[half, 2]`, GPT-J style) where Hugging Face keeps the two halves apart
+    (`[2, half]`, NeoX style). data: [n_head * head_dim, ...] -> same shape.
+    """
+    rows = data.shape[0]
+    half = rows // n_head // 2
+    w = data.reshape(n_head, half, 2, *data.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(data.shape))
+
+
+def permute_rows(data: np.ndarray[Any, Any], n_head: int) -> np.ndarray[Any, Any]:
+    """convert_hf_to_gguf.py's `permute` (Hugging Face -> llama.cpp row order)."""
+    rows = data.shape[0]
+    half = rows // n_head // 2
+    w = data.reshape(n_head, 2, half, *data.shape[1:])
+    return np.ascontiguousarray(w.swapaxes(1, 2).reshape(data.shape))
+
+
+def dequantize_raw(raw: RawTensor) -> torch.Tensor:
+    """float32 tensor of `raw.shape` (BF16 and F16 widen exactly)."""
+    try:
+        values = dequantize(raw.data, raw.quant)
+    except NotImplementedError as e:
+        raise ModelLoadError(
+            f"tensor {raw.gguf_name} has ggml type {raw.quant.name}, which cannot be "
+            f"dequantized: {e}"
+        ) from e
+    values = np.asarray(values, dtype=np.float32)
+    if not values.flags.writeable:  # a view of the read-only memory map (F32)
+        values = values.copy()
+    if tuple(values.shape) != raw.shape:
+        try:
+            values = values.reshape(raw.shape)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"tensor {raw.gguf_name}: {values.size} values do not fill shape {raw.shape}"
+            ) from e
+    return torch.from_numpy(values)
+
+
+def source_quant(reader: GGUFReader) -> str | None:
+    """The most common ggml type among the file's matrices, e.g. "Q4_1" (norms are
+    usually F32 whatever the file's quantization)."""
+    counts = Counter(
+        GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) >= 2
+    )
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def field_value(reader: GGUFReader, name: str, default: Any = None) -> Any:
+    """A metadata value as a Python scalar, str or list (`default` when absent)."""
+    f = reader.get_field(name)
+    if f is None:
+        return default
+    try:
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            return list(f.contents())
+        return f.contents()
+    except Exception as e:  # malformed field parts
+        raise ModelLoadError(f"cannot read GGUF metadata {name}: {e}") from e
+
+
+def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype)
