@@ -50,12 +50,27 @@ def test_demo_serves_every_job_on_an_embedded_redis(kind: str) -> None:
     if kind == "fakeredis":  # no redis-server on PATH: the fakeredis TCP server steps in
         env["PATH"] = path_without("redis-server")
         assert shutil.which("redis-server", path=env["PATH"]) is None
-    proc = run_cli("demo", "--no-live", "--jobs", "6", env=env, timeout=240)
+    # The real model with a real redis-server (the README's `make demo`); the random
+    # one where redis-server is missing.
+    model = [] if kind == "redis-server" else ["--model", "tiny-random"]
+    proc = run_cli("demo", "--no-live", "--jobs", "6", *model, env=env, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert re.search(rf"redis: redis://127\.0\.0\.1:\d+/0 \({kind}\)", proc.stdout), out
     assert "finished: 6/6 jobs; workers exited with [0, 0]" in proc.stdout, out
-    assert proc.stdout.count("[length]") == 6, out  # one line per job, as it ends
+    if model:
+        assert "model: tiny-random" in proc.stdout, out
+        assert proc.stdout.count("[length]") == 6, out  # one line per job, as it ends
+        return
+    assert "model: smollm2-135m-instruct" in proc.stdout, out
+    # One line per job as it ends: "job ID [stop|length] N tokens by W: <answer start>".
+    answers = re.findall(r"\[(?:stop|length)\] \d+ tokens by \S+: (.+)", proc.stdout)
+    assert len(answers) == 6, out
+    for answer in answers:
+        # printable English: words of letters, not the byte soup of random weights
+        words = re.findall(r"[A-Za-z]{2,}", answer)
+        letters = sum(ch.isascii() and (ch.isalpha() or ch in " ,.'-:;!?\"()") for ch in answer)
+        assert len(words) >= 4 and letters >= 0.9 * len(answer.rstrip("…")), answer
 
 
 # --- redis-cli alone, as docs/protocol.md shows -------------------------------------

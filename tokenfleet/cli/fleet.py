@@ -21,6 +21,14 @@ def demo(
         str | None, typer.Option("--redis-url", help="use this Redis instead of an embedded one")
     ] = None,
     prefix: Prefix = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="what the workers serve (default: smollm2-135m-instruct when its wheel is"
+            " installed, else tiny-random)",
+        ),
+    ] = None,
 ) -> None:
     """Run a whole fleet locally: embedded Redis, workers, producers, a live view."""
     from tokenfleet.demo import run_demo
@@ -34,6 +42,7 @@ def demo(
         producers=max(1, min(producers, jobs)),
         max_new_tokens=max_new_tokens,
         live=live,
+        model=model,
     )
     raise typer.Exit(code=code)
 

