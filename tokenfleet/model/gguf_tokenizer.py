@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.models import BPE
 
 from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.tokenizer import HFTokenizer
 
 SUPPORTED_TOKENIZER_MODELS = ("gpt2",)
@@ -57,8 +58,6 @@ PRE_TOKENIZER_SPLITS = {
 def tokenizer_from_gguf(reader: GGUFReader, file: Path) -> HFTokenizer | None:
     """The file's tokenizer, with its bos/eos ids and chat template (None when the
     file has no `tokenizer.ggml.model`)."""
-    from tokenfleet.model.gguf import field_value  # gguf.py imports this module
-
     meta = {
         key: field_value(reader, f"tokenizer.{key}")
         for key in (

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import json
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.errors import ModelLoadError
 from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
-from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.presets import PRESETS
 from tokenfleet.model.smollm2 import PRESET as SMOLLM2_PRESET
 from tokenfleet.model.smollm2 import require_smollm2_gguf
@@ -35,17 +34,6 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    model: LlamaModel
-    config: ModelConfig
-    tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json
-    dtype: torch.dtype
-    device: torch.device
-    weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
-    source_quant: str | None = None  # a GGUF file's most common matrix type, e.g. "Q4_1"
 
 
 def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "auto") -> LoadedModel:
@@ -64,10 +52,10 @@ def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "au
         config = preset.config
         hf = {k: _place(t, torch_dtype, torch_device) for k, t in preset.hf_weights().items()}
         state = to_model_state(config, hf)
-        return _build(config, state, preset.tokenizer(), torch_dtype, torch_device)
+        return build_model(config, state, preset.tokenizer(), torch_dtype, torch_device)
 
     if path_or_preset.endswith(".gguf"):
-        from tokenfleet.model.gguf import load_gguf  # gguf.py imports this module
+        from tokenfleet.model.gguf import load_gguf  # gguf and its deps only for .gguf
 
         return load_gguf(path_or_preset, torch_dtype, torch_device)
 
@@ -97,7 +85,7 @@ def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "au
     tokenizer: Tokenizer | None = None
     if (folder / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_dir(folder, eos_token_ids=config.eos_token_ids)
-    return _build(config, state, tokenizer, torch_dtype, torch_device)
+    return build_model(config, state, tokenizer, torch_dtype, torch_device)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -143,22 +131,3 @@ def _weight_files(folder: Path) -> list[Path]:
     if missing:
         raise ModelLoadError(f"shards listed in the index are missing from {folder}: {missing}")
     return files
-
-
-def _build(
-    config: ModelConfig,
-    state: dict[str, Tensor],
-    tokenizer: Tokenizer | None,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> LoadedModel:
-    # Build on the meta device (no allocation, no random init), then adopt the
-    # loaded tensors as the parameters.
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight  # assign=True unties them
-    model.eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # deduplicated
-    return LoadedModel(model, config, tokenizer, dtype, device, weight_bytes)

@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from tokenfleet.model.batch import SeqInput
+from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.kv_pool import KVPool
-from tokenfleet.model.loader import LoadedModel
 from tokenfleet.model.sampling import Sampler, SamplingState
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.worker.runner import ModelSpec, ResolvedSampling

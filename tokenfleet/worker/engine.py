@@ -42,7 +42,7 @@ from tokenfleet.worker.session import Finished, Session, terminal
 from tokenfleet.worker.telemetry import EngineStats
 
 if TYPE_CHECKING:
-    from tokenfleet.model.loader import LoadedModel
+    from tokenfleet.model.build import LoadedModel
 
 __all__ = ["Engine", "EngineConfig", "Finished", "StepOutput"]
 

@@ -1,0 +1,43 @@
+"""A `LoadedModel` out of a config, mapped weights and a tokenizer: what every loader
+(presets, checkpoint folders, GGUF files) ends with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.llama import LlamaModel
+from tokenfleet.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json
+    dtype: torch.dtype
+    device: torch.device
+    weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
+    source_quant: str | None = None  # a GGUF file's most common matrix type, e.g. "Q4_1"
+
+
+def build_model(
+    config: ModelConfig,
+    state: dict[str, Tensor],
+    tokenizer: Tokenizer | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LoadedModel:
+    # Build on the meta device (no allocation, no random init), then adopt the
+    # loaded tensors as the parameters.
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # assign=True unties them
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # deduplicated
+    return LoadedModel(model, config, tokenizer, dtype, device, weight_bytes)
