@@ -148,7 +148,7 @@ def run_engine(
     run.tokens = [out[r.job_id] for r in reqs]
     run.ticks = engine.stats.ticks
     run.occupancy_mean = float(telemetry["occupancy_mean"])  # type: ignore[arg-type]
-    run.runner_s = float(telemetry["forward_s"])  # type: ignore[arg-type]
+    run.runner_s = float(telemetry["runner_s"])  # type: ignore[arg-type]
     assert engine.kv_used_bytes == 0
     return run
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,27 @@ def worker_info(r: redis.Redis, name: str, keys: Keys | None = None) -> dict[str
     client)."""
     raw = r.hgetall((keys or Keys()).worker(name))
     return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+
+@dataclass
+class GatewayEnv:
+    r: redis.Redis
+    gateway: ServedGateway
+    fleet: Fleet
+
+
+@contextlib.contextmanager
+def gateway_fleet(
+    url: str, tmp: Path, workers: Sequence[tuple[str, Sequence[str]]], timeout: float = 60
+) -> Iterator[GatewayEnv]:
+    """`fleet_on` with the given long-running workers (name, extra flags) started and
+    alive, and a gateway in front of them (no fleet cache, so tests see changes at once)."""
+    with fleet_on(url, tmp) as (r, fleet):
+        started = [fleet.start(name, *args, burst=False) for name, args in workers]
+        for worker in started:
+            fleet.wait_alive(worker, timeout=timeout)
+        gateway = ServedGateway(GatewayConfig(redis_url=url, fleet_cache_s=0.0))
+        try:
+            yield GatewayEnv(r, gateway, fleet)
+        finally:
+            gateway.stop()

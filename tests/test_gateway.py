@@ -13,15 +13,12 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import redis
-from fleet import Fleet
-from gateway_support import ServedGateway, fleet_on, worker_info
+from gateway_support import GatewayEnv, ServedGateway, gateway_fleet, worker_info
 from support import RedisServer, wait_for
 
 from tokenfleet.gateway import GatewayConfig
@@ -71,29 +68,19 @@ def plain_checkpoint(folder: Path) -> Path:
     return folder
 
 
-@dataclass
-class Env:
-    r: redis.Redis
-    gateway: ServedGateway
-    fleet: Fleet
+Env = GatewayEnv
 
 
 @pytest.fixture(scope="module")
 def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     tmp = tmp_path_factory.mktemp("gateway")
-    with fleet_on(redis_server.url, tmp) as (r, fleet):
-        main = fleet.start("gw-main", burst=False)
-        plain = plain_checkpoint(tmp / "plain")
-        small = fleet.start(
-            "gw-plain", "--model", str(plain), "--model-name", "plain", "--kv-mb", "1", burst=False
-        )
-        fleet.wait_alive(main)
-        fleet.wait_alive(small)
-        gateway = ServedGateway(GatewayConfig(redis_url=redis_server.url, fleet_cache_s=0.0))
-        try:
-            yield Env(r, gateway, fleet)
-        finally:
-            gateway.stop()
+    plain = plain_checkpoint(tmp / "plain")
+    workers = [
+        ("gw-main", []),
+        ("gw-plain", ["--model", str(plain), "--model-name", "plain", "--kv-mb", "1"]),
+    ]
+    with gateway_fleet(redis_server.url, tmp, workers) as env:
+        yield env
 
 
 def metrics_of(gateway: ServedGateway) -> str:

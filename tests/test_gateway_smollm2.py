@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
-import redis
-from fleet import Fleet
-from gateway_support import ServedGateway, fleet_on, worker_info
+from gateway_support import GatewayEnv, gateway_fleet, worker_info
 from support import RedisServer
 
-from tokenfleet.gateway import GatewayConfig
 from tokenfleet.model.smollm2 import PRESET, smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
@@ -29,33 +24,15 @@ pytestmark = pytest.mark.skipif(
 QUESTION = [{"role": "user", "content": "Why is the sky blue? Answer in one sentence."}]
 
 
-@dataclass
-class Env:
-    r: redis.Redis
-    gateway: ServedGateway
-    fleet: Fleet
+Env = GatewayEnv
 
 
 @pytest.fixture(scope="module")
 def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp: Path = tmp_path_factory.mktemp("gateway-smollm2")
-    with fleet_on(redis_server.url, tmp) as (r, fleet):
-        worker = fleet.start(
-            "gw-smollm2",
-            "--model",
-            PRESET,
-            "--model-name",
-            "smollm2",
-            "--kv-mb",
-            "64",
-            burst=False,
-        )
-        fleet.wait_alive(worker, timeout=180)
-        gateway = ServedGateway(GatewayConfig(redis_url=redis_server.url, fleet_cache_s=0.0))
-        try:
-            yield Env(r, gateway, fleet)
-        finally:
-            gateway.stop()
+    flags = ["--model", PRESET, "--model-name", "smollm2", "--kv-mb", "64"]
+    tmp = tmp_path_factory.mktemp("gateway-smollm2")
+    with gateway_fleet(redis_server.url, tmp, [("gw-smollm2", flags)], timeout=180) as env:
+        yield env
 
 
 def test_models_lists_it_and_the_worker_says_what_it_serves(env: Env) -> None:

@@ -119,7 +119,7 @@ class Engine:
         self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
         self.waiting: deque[Session] = deque()  # queued locally until they fit
         self._ended: list[Finished] = []  # outcomes decided between ticks
-        self._forward_s = 0.0  # runner time of the step in progress
+        self._runner_s = 0.0  # runner time of the step in progress
         # Mean prompt length of admitted jobs (moving average): how many jobs one tick's
         # prefill budget starts, for `room()`. Starts at two blocks.
         self._prompt_mean = float(2 * self.budget.layout.block_size)
@@ -230,7 +230,7 @@ class Engine:
     def step(self) -> StepOutput:
         """Expire deadlines, start waiting jobs that fit, run one tick, post-process."""
         step_started = time.perf_counter()
-        self._forward_s = 0.0
+        self._runner_s = 0.0
         now = self.clock()
         self._expire(now)
         self._promote(now)
@@ -248,7 +248,7 @@ class Engine:
             out.decode_tokens, out.prefill_tokens = plan.num_decode_tokens, plan.num_prefill_tokens
         out.finished.extend(self._ended)
         self._ended = []
-        self.stats.record_step(time.perf_counter() - step_started, self._forward_s)
+        self.stats.record_step(time.perf_counter() - step_started, self._runner_s)
         return out
 
     def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
@@ -299,7 +299,7 @@ class Engine:
                     self.fault(self.sessions[entry.seq.session_id])
             tokens = self.runner.execute(plan, sampling)
         finally:
-            self._forward_s += time.perf_counter() - started
+            self._runner_s += time.perf_counter() - started
         return dict(zip(ids, tokens, strict=True))
 
     # ---- lifecycle -----------------------------------------------------------------

@@ -64,7 +64,7 @@ class EngineStats:
         self.finished: Counter[str] = Counter()
         self.lost = 0  # jobs dropped because another worker owns them now
         self.step_s = 0.0  # seconds inside Engine.step (every call, idle ones included)
-        self.forward_s = 0.0  # seconds inside the model runner's execute
+        self.runner_s = 0.0  # seconds inside ModelRunner.execute (forward + sampling)
 
     def record_tick(
         self,
@@ -83,10 +83,10 @@ class EngineStats:
         self._recent.append(_TickSample(now - duration_s, now, prefill_tokens, decode_tokens))
         self._prune(now)
 
-    def record_step(self, duration_s: float, forward_s: float) -> None:
+    def record_step(self, duration_s: float, runner_s: float) -> None:
         """One `Engine.step` call: its whole time and the part the model runner took."""
         self.step_s += duration_s
-        self.forward_s += forward_s
+        self.runner_s += runner_s
 
     def record_rejection(self, reason: AdmissionReason) -> None:
         assert not reason.accepted, f"{reason} is not a rejection"
@@ -155,7 +155,7 @@ class EngineStats:
             "tick_ms_p50": 1000 * _percentile(ticks_sorted, 50),
             "tick_ms_p99": 1000 * _percentile(ticks_sorted, 99),
             "step_s": self.step_s,
-            "forward_s": self.forward_s,
+            "runner_s": self.runner_s,
             "rejected_total": sum(self.rejected.values()),
             "rejected_by_reason": dict(self.rejected),
             "finished_by_reason": dict(self.finished),
