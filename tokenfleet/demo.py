@@ -296,6 +296,14 @@ def run_demo(
         finally:
             codes = fleet.drain()
         console.print(_summary(state, elapsed))
+        if live and chat:  # the live view showed tails; end with how each answer began
+            for job in state.jobs.values():
+                console.print(
+                    f"{job.job_id}: {job.prompt} → {_answer(job.text, 100)}",
+                    highlight=False,
+                    markup=False,
+                    soft_wrap=True,
+                )
         ok = sum(
             1 for v in state.jobs.values() if v.reason in (FinishReason.STOP, FinishReason.LENGTH)
         )
