@@ -33,6 +33,8 @@ FAST_MODULES = frozenset(
         "test_chat.py",
         "test_compose.py",
         "test_engine.py",
+        "test_gguf_quants.py",
+        "test_gguf_spm.py",
         "test_keys.py",
         "test_imports.py",
         "test_hub.py",

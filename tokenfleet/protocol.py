@@ -72,18 +72,16 @@ class _Message(BaseModel):
 
 
 class SamplingParams(_Message):
-    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A value
+    left unset (None) is the model's own default (its generation_config.json), and
+    greedy / no filter when the model names none."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
-    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    top_k: int = Field(default=0, ge=0, le=1_000_000)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=10.0)
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
 
 class ChatMessage(_Message):

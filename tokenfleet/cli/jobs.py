@@ -34,9 +34,12 @@ def queue_cap(
 def submit(
     prompt: Annotated[str, typer.Argument(help="prompt text")],
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 64,
-    temperature: Annotated[float, typer.Option("--temperature", "-t")] = 0.0,
-    top_k: Annotated[int, typer.Option("--top-k")] = 0,
-    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    temperature: Annotated[
+        float | None,
+        typer.Option("--temperature", "-t", help="0 = greedy; unset: the model's default"),
+    ] = None,
+    top_k: Annotated[int | None, typer.Option("--top-k", help="0 = off")] = None,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="1 = off")] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     stop: Annotated[
         list[str] | None, typer.Option("--stop", help="stop string (repeatable)")

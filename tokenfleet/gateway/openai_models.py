@@ -12,6 +12,7 @@ Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``ignore_eos``,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -129,15 +130,24 @@ class _GenerationParams(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def fleet_fields(self, max_tokens: int) -> dict[str, Any]:
-        """GenerationRequest fields for everything but the prompt, model and job id."""
-        temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+    def fleet_fields(
+        self, max_tokens: int, model_defaults: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """GenerationRequest fields for everything but the prompt, model and job id.
+
+        What the request leaves unset is the model's own default (`model_defaults`,
+        from its generation_config.json, as the workers advertise it), and OpenAI's
+        (temperature 1, no top-k / top-p filter) when the model names none."""
+        defaults = model_defaults or {}
+        temperature = self.temperature
+        if temperature is None:
+            temperature = defaults.get("temperature", OPENAI_DEFAULT_TEMPERATURE)
         return {
             "max_new_tokens": max_tokens,
             "sampling": {
                 "temperature": temperature,
-                "top_k": self.top_k or 0,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "top_k": self.top_k if self.top_k is not None else defaults.get("top_k", 0),
+                "top_p": self.top_p if self.top_p is not None else defaults.get("top_p", 1.0),
                 "seed": self.seed,
             },
             "stop": self.stop_list,

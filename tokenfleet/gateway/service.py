@@ -153,7 +153,7 @@ class Gateway:
         arrived = time.monotonic()
         parsed = _parse(kind, await request.body())
         served = await self._route(parsed.model)
-        job = self._job(parsed, kind, self._max_tokens(parsed, served))
+        job = self._job(parsed, kind, self._max_tokens(parsed, served), served)
         handle = self.producer.handle(job.job_id)
         events = JobEvents(
             handle,
@@ -283,7 +283,11 @@ class Gateway:
         return asked
 
     def _job(
-        self, parsed: CompletionRequest | ChatCompletionRequest, kind: Kind, max_tokens: int
+        self,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        kind: Kind,
+        max_tokens: int,
+        served: ServedModel | None = None,
     ) -> GenerationRequest:
         metadata: dict[str, Any] = {"via": "gateway", "endpoint": kind}
         if parsed.user:
@@ -296,7 +300,7 @@ class Gateway:
             queue_deadline = now + self.config.queue_timeout_s  # ends it as `deadline`
         fields = {
             **parsed.prompt_fields(),
-            **parsed.fleet_fields(max_tokens),
+            **parsed.fleet_fields(max_tokens, served.sampling_defaults if served else None),
             "job_id": uuid.uuid4().hex,
             "model": None if parsed.model == DEFAULT_MODEL else parsed.model,
             "deadline": deadline,

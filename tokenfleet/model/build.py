@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -11,6 +11,7 @@ from torch import Tensor
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.worker.runner import SamplingDefaults
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class LoadedModel:
     device: torch.device
     weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
     source_quant: str | None = None  # a GGUF file's most common matrix type, e.g. "Q4_1"
+    # applied to what a job leaves unset (a folder's generation_config.json)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def build_model(

@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF checkpoint (Llama architecture) onto a device.
+"""Load a llama.cpp GGUF checkpoint (Llama, Qwen2, Qwen3 or Phi-3) onto a device.
 
 A GGUF file holds the config and the tokenizer as metadata and every tensor in
 one of ggml's formats (F32, F16, BF16, Q8_0, Q4_K, ...). Loading reads the
@@ -34,7 +34,13 @@ from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# `general.architecture` -> the family it loads as. llama.cpp names Mistral 7B-style
+# checkpoints "llama" too (its converter writes them as Llama).
+ARCHITECTURE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
+# Only the Llama converter permutes q/k rows (to GPT-J-style rotary pairs); Qwen and
+# Phi-3 are converted as they are, because llama.cpp runs them with NeoX rope.
+_PERMUTED_QK = frozenset({"llama"})
 
 # GGUF tensor name -> Hugging Face name; `{i}` is the layer index.
 _GLOBAL_NAMES = {
@@ -52,7 +58,13 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: stored fused, rows [q | k | v]
 }
+# Phi-3's `ffn_up` holds gate and up fused, rows [gate | up] (llama.cpp splits it
+# in half at run time, gate first), exactly like Hugging Face's gate_up_proj.
+_FAMILY_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
@@ -96,17 +108,21 @@ def open_gguf(file: Path) -> GGUFReader:
     try:
         return GGUFReader(file)
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors, ...
+        if "GGMLQuantizationType" in str(e):  # a type id this gguf version does not know
+            raise ModelLoadError(f"{file.name}: a tensor has an unknown ggml type: {e}") from e
         raise ModelLoadError(f"{file} is not a readable GGUF file (truncated?): {e}") from e
 
 
 def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
-    """The `ModelConfig` a Llama-architecture GGUF's metadata describes."""
+    """The `ModelConfig` a GGUF's metadata (`<arch>.*` keys) describes."""
     arch = field_value(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{file.name}: unsupported GGUF architecture {arch!r}; "
             f"supported: {list(SUPPORTED_ARCHITECTURES)}"
         )
+
+    family = ARCHITECTURE_FAMILIES[arch]
 
     def key(name: str, default: Any = None) -> Any:
         value = field_value(reader, f"{arch}.{name}", default)
@@ -142,6 +158,12 @@ def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
         vocab = int(key("vocab_size"))
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    context = int(key("context_length", 2048))
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    if family == "phi3" and isinstance(window, int) and 0 < window < context:
+        context = window  # as for the folder: exact only while the context fits the window
+    biased_o = "blk.0.attn_output.bias" in names
+    biased_q = "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names
     try:
         return ModelConfig(
             vocab_size=vocab,
@@ -153,12 +175,15 @@ def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(key("context_length", 2048)),
+            max_position_embeddings=context,
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=() if eos is None else (int(eos),),
-            attention_bias="blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_gate.bias" in names,
+            attention_bias=biased_o,
+            mlp_bias="blk.0.ffn_down.bias" in names,
+            qkv_bias=biased_q and not biased_o,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            family=family,
         )
     except (TypeError, ValueError) as e:
         if isinstance(e, ModelConfigError):
@@ -173,22 +198,24 @@ def iter_raw_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[RawTen
     reports them. Q/K rows come back in Hugging Face order: permuting whole
     rows commutes with ggml's row-wise block quantization.
     """
+    permuted = config.family in _PERMUTED_QK
     for t in reader.tensors:
-        hf_name = hf_name_of(t.name)
+        hf_name = hf_name_of(t.name, config.family)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         data: np.ndarray[Any, Any] = t.data
-        if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+        if permuted and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rows(data, config.num_heads)
-        elif hf_name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+        elif permuted and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rows(data, config.num_kv_heads)
         yield RawTensor(hf_name, t.name, data, GGMLQuantizationType(t.tensor_type), shape)
 
 
-def hf_name_of(gguf_name: str) -> str:
+def hf_name_of(gguf_name: str, family: str = "llama") -> str:
     if m := _BLOCK_RE.match(gguf_name):
         layer, part, kind = m.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        module = _FAMILY_BLOCK_NAMES.get(family, {}).get(part) or _BLOCK_NAMES.get(part)
+        if module is not None:
+            return f"model.layers.{layer}.{module}.{kind}"
     elif (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return gguf_name

@@ -8,6 +8,7 @@ about one copy of the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -25,6 +26,7 @@ from tokenfleet.model.smollm2 import PRESET as SMOLLM2_PRESET
 from tokenfleet.model.smollm2 import require_smollm2_gguf
 from tokenfleet.model.tokenizer import HFTokenizer, Tokenizer
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
+from tokenfleet.worker.runner import SamplingDefaults
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -85,7 +87,18 @@ def load_model(path_or_preset: str, *, dtype: str = "float32", device: str = "au
     tokenizer: Tokenizer | None = None
     if (folder / "tokenizer.json").is_file():
         tokenizer = HFTokenizer.from_dir(folder, eos_token_ids=config.eos_token_ids)
-    return build_model(config, state, tokenizer, torch_dtype, torch_device)
+    loaded = build_model(config, state, tokenizer, torch_dtype, torch_device)
+    return dataclasses.replace(loaded, sampling_defaults=generation_defaults(folder))
+
+
+def generation_defaults(folder: Path) -> SamplingDefaults:
+    """The sampling defaults a folder's `generation_config.json` names (none when the
+    file is missing or unreadable)."""
+    try:
+        config = json.loads((folder / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return SamplingDefaults()
+    return SamplingDefaults.from_generation_config(config if isinstance(config, dict) else {})
 
 
 def resolve_dtype(name: str) -> torch.dtype:

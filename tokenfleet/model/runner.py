@@ -45,6 +45,7 @@ class TorchRunner:
             vocab_size=cfg.vocab_size,
             max_context=cfg.max_position_embeddings,
             eos_token_ids=frozenset(eos) | frozenset(cfg.eos_token_ids),
+            sampling_defaults=loaded.sampling_defaults,
         )
         self.kv: KVPool | None = None
         self.sampler = Sampler()

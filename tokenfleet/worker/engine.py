@@ -29,7 +29,7 @@ from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
-from tokenfleet.worker.runner import ModelRunner, ResolvedSampling
+from tokenfleet.worker.runner import ModelRunner
 from tokenfleet.worker.scheduler import (
     DecodeStep,
     Scheduler,
@@ -335,7 +335,7 @@ class Engine:
         return Session(
             request=request,
             prompt_ids=prompt_ids,
-            sampling=ResolvedSampling.create(s.temperature, s.top_k, s.top_p, s.seed),
+            sampling=self.spec.sampling_defaults.resolve(s.temperature, s.top_k, s.top_p, s.seed),
             detok=detok,
             stop_ids=stop_ids,
             submitted_at=submitted_at,

@@ -94,6 +94,8 @@ def build_worker(
             "dtype": str(loaded.dtype).removeprefix("torch."),
             # a quantized file is served dequantized: what it was, what it serves as
             "source_quant": loaded.source_quant,
+            # what a job that leaves temperature/top_k/top_p unset samples with
+            "sampling_defaults": loaded.sampling_defaults.as_fields(),
             "host": platform.node(),
         },
     )

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenfleet.kv import KVLayout
 
@@ -56,6 +56,55 @@ class ResolvedSampling:
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """A model's own sampling defaults (its `generation_config.json`), applied to what a
+    job leaves unset, as vLLM does; what neither sets is greedy with no filter."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @classmethod
+    def from_generation_config(cls, config: dict[str, Any]) -> SamplingDefaults:
+        """The valid `temperature`, `top_k` and `top_p` values of a generation config
+        (others are left out: a bad file never stops a model from loading). As in vLLM,
+        `do_sample` is not consulted: serving follows the values the model ships."""
+        temperature, top_k, top_p = (config.get(k) for k in ("temperature", "top_k", "top_p"))
+        number = (int, float)
+        return cls(
+            temperature=float(temperature)
+            if isinstance(temperature, number) and 0 <= temperature <= 10
+            else None,
+            top_k=top_k if isinstance(top_k, int) and top_k >= 0 else None,
+            top_p=float(top_p) if isinstance(top_p, number) and 0 < top_p <= 1 else None,
+        )
+
+    def as_fields(self) -> dict[str, float | int]:
+        """The values that are set, e.g. for the worker hash."""
+        values = {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+        return {k: v for k, v in values.items() if v is not None}
+
+    def resolve(
+        self,
+        temperature: float | None,
+        top_k: int | None,
+        top_p: float | None,
+        seed: int | None,
+    ) -> ResolvedSampling:
+        """A job's values, else these defaults, else greedy / no top-k / no top-p."""
+
+        def pick(given: Any, default: Any, fallback: Any) -> Any:
+            return given if given is not None else default if default is not None else fallback
+
+        return ResolvedSampling.create(
+            pick(temperature, self.temperature, 0.0),
+            pick(top_k, self.top_k, 0),
+            pick(top_p, self.top_p, 1.0),
+            seed,
+        )
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What the engine needs to know about a model to budget and validate jobs for it."""
 
@@ -67,6 +116,7 @@ class ModelSpec:
     vocab_size: int
     max_context: int  # prompt + generated tokens one session may reach
     eos_token_ids: frozenset[int]
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
     def kv_layout(self, block_size: int) -> KVLayout:
         return KVLayout(

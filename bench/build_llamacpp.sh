@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Build llama.cpp (CPU) for the baseline benchmarks, outside the repo.
+#
+#   bench/build_llamacpp.sh            # prints the bin dir on its last line
+#   BIN=$(bench/build_llamacpp.sh | tail -1)
+#
+# Source comes from the llama-cpp-python sdist on PyPI (it vendors llama.cpp),
+# so no git or other network access is needed. Everything goes under
+# ${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp}. Idempotent:
+# exits at once when the binaries are already there. ~10 min on 2 cores.
+set -euo pipefail
+
+VERSION=0.3.36   # llama-cpp-python version -> vendored ggml-org/llama.cpp@0c1e57098
+ROOT=${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp}
+SRC=$ROOT/llama_cpp_python-$VERSION/vendor/llama.cpp
+BUILD=$ROOT/build
+BIN=$BUILD/bin
+STAMP=$BUILD/.tokenfleet-built
+
+# 0. Already built? Done.
+if [[ -f $STAMP && -x $BIN/llama-server && -x $BIN/llama-batched-bench ]]; then
+  echo "$BIN"; exit 0
+fi
+mkdir -p "$ROOT"
+
+# 1. Source: sdist from PyPI, unpacked once.
+if [[ ! -f $SRC/CMakeLists.txt ]]; then
+  python3 -m pip download -q --no-deps --no-binary :all: \
+    "llama-cpp-python==$VERSION" -d "$ROOT"
+  tar -xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
+fi
+
+# 2. gcc-12 miscompile: it drops the stores filling the AMX tile config before
+#    _tile_loadconfig(&tc), so Q4_1 matmuls with >1 row SIGILL on AMX CPUs.
+#    A compiler barrier keeps the stores (same cause as upstream PR #26954).
+MMQ=$SRC/ggml/src/ggml-cpu/amx/mmq.cpp
+if ! grep -q 'asm volatile("" : : "r"(&tc) : "memory");' "$MMQ"; then
+  sed -i 's|^\([[:space:]]*\)_tile_loadconfig(&tc);|\1asm volatile("" : : "r"(\&tc) : "memory");\n\1_tile_loadconfig(\&tc);|' "$MMQ"
+fi
+n_load=$(grep -c '_tile_loadconfig(&tc);' "$MMQ")
+n_barrier=$(grep -c 'asm volatile("" : : "r"(&tc) : "memory");' "$MMQ")
+if [[ $n_load -eq 0 || $n_load -ne $n_barrier ]]; then
+  echo "AMX barrier patch failed ($n_barrier barriers / $n_load loadconfig)" >&2; exit 1
+fi
+
+# 3. Tools: use system cmake/ninja, else pip-install them into a throwaway venv.
+if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then
+  python3 -m venv "$ROOT/tools-venv"
+  "$ROOT/tools-venv/bin/pip" install -q cmake ninja
+  export PATH=$ROOT/tools-venv/bin:$PATH
+fi
+
+# 4. Configure + build (niced so other work on the box keeps going).
+#    No embedded web UI (it would be downloaded from HF); commit id taken from
+#    the sdist changelog since there is no .git.
+cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_COMMIT=0c1e57098
+available=$(cmake --build "$BUILD" --target help)
+targets=()
+for t in llama-server llama-batched-bench llama-cli llama-bench; do
+  if grep -q "^$t:" <<<"$available"; then targets+=("$t")
+  else echo "note: target $t does not exist in this llama.cpp, skipped" >&2; fi
+done
+nice -n 19 cmake --build "$BUILD" --target "${targets[@]}" -j "$(nproc)"
+touch "$STAMP"
+
+echo "$BIN"
