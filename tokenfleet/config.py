@@ -24,7 +24,11 @@ class Settings(BaseSettings):
     # load_model checks device and dtype when the worker starts
     model: str = Field(default="tiny-random", description="preset name or checkpoint folder")
     device: str = Field(default="auto", description="cpu, cuda, cuda:N; auto: cuda if available")
-    dtype: str = Field(default="float32", description="float32, bfloat16 or float16")
+    dtype: str = Field(
+        default="auto", description="auto (bfloat16 where native), float32, bfloat16 or float16"
+    )
+    quant: str | None = Field(default=None, description="int8 or int4 weights (CPU); none: dense")
+    compile: bool = Field(default=False, description="compile the forward's row-wise parts")
     queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")
 
     # the gateway (`tokenfleet gateway`; its flags take precedence): TOKENFLEET_GATEWAY_*

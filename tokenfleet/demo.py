@@ -237,7 +237,13 @@ def run_demo(
         fleet = LocalWorkers(
             url,
             prefix,
-            ["--model", model, "--threads", "1", "--kv-mb", kv_mb, "--max-batch", "16"],
+            # float32: sampled answers stay what transformers would give whatever else
+            # is batched (bf16's rounding depends on the batch, and a 135M model that
+            # samples one odd token can run off into noise)
+            [
+                *("--model", model, "--dtype", "float32", "--threads", "1"),
+                *("--kv-mb", kv_mb, "--max-batch", "16"),
+            ],
         )
         fleet.start(workers, name_prefix="demo")
         try:

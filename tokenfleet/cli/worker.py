@@ -31,7 +31,21 @@ def worker(
     ] = None,
     dtype: Annotated[
         str | None,
-        typer.Option(help="float32, bfloat16 or float16 (default: $TOKENFLEET_DTYPE or float32)"),
+        typer.Option(
+            help="auto (bfloat16 where the hardware has it), float32, bfloat16 or float16 "
+            "(default: $TOKENFLEET_DTYPE or auto)"
+        ),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(help="int8 or int4: keep the weights quantized (CPU); none: dense"),
+    ] = None,
+    compile_: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile",
+            help="compile the forward's row-wise parts at start (default: $TOKENFLEET_COMPILE)",
+        ),
     ] = None,
     kv_mb: Annotated[int, typer.Option("--kv-mb", help="KV cache budget, MiB")] = 256,
     max_batch: Annotated[int, typer.Option("--max-batch", help="decode sessions per tick")] = 32,
@@ -107,6 +121,8 @@ def worker(
             checkpoint=model,
             device=device,
             dtype=dtype,
+            quant=quant,
+            compile_model=compile_,
             engine=engine,
             options=options,
             threads=threads,

@@ -21,8 +21,9 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None when the folder has no tokenizer.json
     dtype: torch.dtype
     device: torch.device
-    weight_bytes: int  # resident bytes of all parameters (a tied head counted once)
+    weight_bytes: int  # resident bytes of all weights (a tied head counted once)
     source_quant: str | None = None  # a GGUF file's most common matrix type, e.g. "Q4_1"
+    quant: str | None = None  # "int8" / "int4": the weights are kept quantized
     # applied to what a job leaves unset (a folder's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 

@@ -9,9 +9,9 @@ model's attention backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tokenfleet.model.attention import Attention, AttentionBackend, SdpaBackend
@@ -19,23 +19,33 @@ from tokenfleet.model.attention.layer import ForwardContext
 from tokenfleet.model.batch import SeqInput, TickBuffers
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.layers import (
+    AttnWeights,
+    LayerShape,
+    MlpWeights,
+    attn_in,
+    attn_out_mlp,
+    head,
+)
 from tokenfleet.model.norm import RMSNorm
+from tokenfleet.model.quant import QuantError, QuantKind, QuantLinear, quantize, weight_of
 from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
+
+if TYPE_CHECKING:
+    from tokenfleet.model.compiled import CompiledSteps
 
 
 class SwiGLU(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.intermediate_size = inter
         # gate and up projections fused: rows [gate | up] of the weight.
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=config.mlp_bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        down: Tensor = self.down_proj(F.silu(gate) * up)
-        return down
+        self.gate_up_proj: nn.Linear | QuantLinear = nn.Linear(
+            config.hidden_size, 2 * inter, bias=config.mlp_bias
+        )
+        self.down_proj: nn.Linear | QuantLinear = nn.Linear(
+            inter, config.hidden_size, bias=config.mlp_bias
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -46,11 +56,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        attn: Tensor = self.self_attn(self.input_layernorm(x), ctx)
-        x = x + attn
-        mlp: Tensor = self.mlp(self.post_attention_layernorm(x))
-        return x + mlp
+    def attn_weights(self) -> AttnWeights:
+        return self.self_attn.weights(self.input_layernorm.weight)
+
+    def mlp_weights(self) -> MlpWeights:
+        o, gu, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+        norm = self.post_attention_layernorm.weight
+        return MlpWeights(
+            weight_of(o), o.bias, norm, weight_of(gu), gu.bias, weight_of(down), down.bias
+        )
+
+    def forward(self, x: Tensor, ctx: ForwardContext, shape: LayerShape) -> Tensor:
+        q, k, v = attn_in(x, self.attn_weights(), ctx.cos, ctx.sin, shape)
+        return attn_out_mlp(x, self.self_attn.attend(q, k, v, ctx), self.mlp_weights(), shape)
 
 
 class LlamaModel(nn.Module):
@@ -62,13 +80,29 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Linear | QuantLinear = nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False
+        )
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
         self._inv_freq = inverse_frequencies(config, torch.device("cpu"))
         self.attention: AttentionBackend = SdpaBackend()
         self._tick_buffers: TickBuffers | None = None  # the tick's index tensors, reused
+        self.shape = LayerShape(
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            config.intermediate_size,
+            config.rms_norm_eps,
+        )
+        # Set by `compiled.compile_model`: runs the row-wise parts compiled.
+        self.compiled: CompiledSteps | None = None
+
+    @property
+    def blocks(self) -> list[DecoderLayer]:
+        """The decoder layers, typed (`self.layers` is the ModuleList holding them)."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,8 +140,35 @@ class LlamaModel(nn.Module):
         ctx = ForwardContext(cos, sin, plan, kv, self.attention, self.attention.prepare(plan))
 
         x = self.embed_tokens(plan.input_ids)  # [T, hidden]
-        for layer in self.layers:
-            x = layer(x, ctx)
-        last = self.norm(x[plan.last_rows])  # [S, hidden]; the norm is per row
-        logits: Tensor = self.lm_head(last)
-        return logits.float()  # [S, vocab]
+        if self.compiled is not None:
+            x = self.compiled.layers(self, x, ctx)
+        else:
+            for layer in self.layers:
+                x = layer(x, ctx, self.shape)
+        rows = x[plan.last_rows]  # [S, hidden]; the norm is per row
+        if self.compiled is not None:
+            return self.compiled.head(rows, self.norm.weight)
+        return head(rows, self.norm.weight, weight_of(self.lm_head), self.shape.eps)  # [S, vocab]
+
+    def quantize(self, kind: QuantKind) -> None:
+        """Keep every projection and the LM head quantized (the embedding stays dense:
+        a tick reads only its rows). Needs bf16 activations: the kernels' fast path."""
+        if self.dtype != torch.bfloat16:
+            raise QuantError(
+                f"{kind} weights run with bfloat16 activations; this model is {self.dtype} "
+                "(load it with dtype bfloat16 or auto)"
+            )
+        if self.compiled is not None:
+            raise QuantError("quantize before compiling")
+
+        def packed(linear: nn.Module) -> QuantLinear:
+            assert isinstance(linear, nn.Linear | QuantLinear)
+            if isinstance(linear, QuantLinear):
+                return linear
+            return QuantLinear(quantize(linear.weight, kind), linear.bias)
+
+        for layer in self.blocks:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj, attn.o_proj = packed(attn.qkv_proj), packed(attn.o_proj)
+            mlp.gate_up_proj, mlp.down_proj = packed(mlp.gate_up_proj), packed(mlp.down_proj)
+        self.lm_head = packed(self.lm_head)

@@ -1,9 +1,11 @@
-"""RMSNorm, as the Llama family computes it."""
+"""RMSNorm's weight, as the Llama family names it (the math: `layers.rms_norm`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from tokenfleet.model.layers import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -13,8 +15,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 whatever the model dtype (bf16 variance is too coarse),
-        # then scale in the model dtype, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)

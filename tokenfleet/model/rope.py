@@ -43,10 +43,3 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     freqs = positions[:, None].float() * inv_freq[None, :]  # [T, head_dim // 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]. Rotates pairs (i, i + head_dim/2)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -52,6 +52,8 @@ def build_worker(
     checkpoint: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
+    quant: str | None = None,
+    compile_model: bool | None = None,
     engine: EngineConfig | None = None,
     options: WorkerOptions | None = None,
     threads: int | None = None,
@@ -62,7 +64,10 @@ def build_worker(
 
     checkpoint    preset name (tiny-random) or checkpoint folder; None: `settings.model`
     device        cpu, cuda, cuda:N or auto (cuda when available); None: `settings.device`
-    dtype         float32, bfloat16 or float16; None: `settings.dtype`
+    dtype         auto, float32, bfloat16 or float16; None: `settings.dtype`
+    quant         int8 or int4 weights ("none": dense); None: `settings.quant`
+    compile_model compile the forward's row-wise parts and warm them up before serving;
+                  None: `settings.compile`
     engine        the node's budget knobs (default `EngineConfig()`)
     options       the loop's options: name, jobs stream (`model`), burst, drain, ...;
                   its heartbeat `info` gets the model, device, dtype and host added
@@ -77,7 +82,19 @@ def build_worker(
     checkpoint = checkpoint or settings.model
     if threads:
         torch.set_num_threads(threads)
-    loaded = load_model(checkpoint, dtype=dtype or settings.dtype, device=device or settings.device)
+    quant = quant or settings.quant
+    loaded = load_model(
+        checkpoint,
+        dtype=dtype or settings.dtype,
+        device=device or settings.device,
+        quant=None if quant in (None, "none") else quant,
+    )
+    compile_info: dict[str, object] = {}
+    if compile_model if compile_model is not None else settings.compile:
+        from tokenfleet.model.compiled import compile_model as compile_
+
+        report = compile_(loaded.model)
+        compile_info = {"compile_mode": report.mode, "compile_s": round(report.warmup_s, 2)}
     fault = fault_on_metadata(fault_key) if fault_key is not None else None
     try:
         core = Engine(loaded, engine or EngineConfig(), worker=options.name, fault=fault)
@@ -94,6 +111,8 @@ def build_worker(
             "dtype": str(loaded.dtype).removeprefix("torch."),
             # a quantized file is served dequantized: what it was, what it serves as
             "source_quant": loaded.source_quant,
+            "quant": loaded.quant,  # weights kept int8 / int4; None: dense in `dtype`
+            **compile_info,
             # what a job that leaves temperature/top_k/top_p unset samples with
             "sampling_defaults": loaded.sampling_defaults.as_fields(),
             "host": platform.node(),

@@ -1,5 +1,6 @@
-"""The attention layer: fused q/k/v projection, (qwen3) q/k norms, rotary embedding, KV
-write, backend, output."""
+"""The attention layer's weights (fused q/k/v projection, (qwen3) q/k norms, output
+projection) and its step that looks across tokens: the KV write and the backend call.
+The row-wise math around it is in `tokenfleet.model.layers`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from tokenfleet.model.attention.backend import AttentionBackend
 from tokenfleet.model.batch import BatchPlan
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.layers import AttnWeights
 from tokenfleet.model.norm import RMSNorm
-from tokenfleet.model.rope import apply_rope
+from tokenfleet.model.quant import QuantLinear, weight_of
 
 
 @dataclass(frozen=True)
@@ -39,28 +41,26 @@ class Attention(nn.Module):
         kv_out = config.num_kv_heads * config.head_dim
         self.split_sizes = [q_out, kv_out, kv_out]
         # q, k and v projections fused into one matmul: rows [q | k | v] of the weight.
-        self.qkv_proj = nn.Linear(config.hidden_size, q_out + 2 * kv_out, bias=config.has_qkv_bias)
-        self.o_proj = nn.Linear(q_out, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj: nn.Linear | QuantLinear = nn.Linear(
+            config.hidden_size, q_out + 2 * kv_out, bias=config.has_qkv_bias
+        )
+        self.o_proj: nn.Linear | QuantLinear = nn.Linear(
+            q_out, config.hidden_size, bias=config.attention_bias
+        )
         # qwen3: each head of q and k is RMS-normalised before the rotary embedding
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
-        """x: [T, hidden] -> [T, hidden]."""
-        cos, sin, plan = ctx.cos, ctx.sin, ctx.plan
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+    def weights(self, norm: Tensor) -> AttnWeights:
+        """This layer's weights up to attention (`norm`: the layer's input norm)."""
+        qn = None if self.q_norm is None else self.q_norm.weight
+        kn = None if self.k_norm is None else self.k_norm.weight
+        return AttnWeights(norm, weight_of(self.qkv_proj), self.qkv_proj.bias, qn, kn)
 
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, ctx: ForwardContext) -> Tensor:
+        """Write this tick's k/v [T, KVH, hd] into the pool, then attend: q [T, H, hd] ->
+        [T, H, hd]."""
         k_cache, v_cache = ctx.kv.layer_slots(self.layer_idx)  # [slots, KVH, hd] views of the pool
-        k_cache.index_copy_(0, plan.write_slots, k)
-        v_cache.index_copy_(0, plan.write_slots, v)
-        out = ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.meta)  # [T, H, hd]
-        projected: Tensor = self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-        return projected
+        k_cache.index_copy_(0, ctx.plan.write_slots, k)
+        v_cache.index_copy_(0, ctx.plan.write_slots, v)
+        return ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.meta)

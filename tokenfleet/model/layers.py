@@ -1,0 +1,126 @@
+"""The decoder's math as plain functions of tensors: what runs between two attentions.
+
+The modules in `llama.py` hold the weights (named as checkpoints name them); these
+functions are what they compute. Both the eager forward and the compiled one
+(`compiled.py`) call them, so the two cannot drift apart. Every function is
+row-wise: token t's output depends on token t's input only, so one call covers a
+whole tick's flattened batch, decode rows and prefill rows alike. Only attention
+(and the KV write before it) looks across tokens, and it stays outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tokenfleet.model.quant import PackedWeight
+
+# A projection's weight: dense [out, in], or kept quantized (`tokenfleet.model.quant`).
+Weight = Tensor | PackedWeight
+
+
+def linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+    if isinstance(w, Tensor):
+        return F.linear(x, w, bias)
+    y = w.matmul(x)
+    return y if bias is None else y + bias
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The constants every layer function needs (the same for all layers of a model)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Normalise in fp32 whatever the model dtype (bf16 variance is too coarse), then
+    scale in the model dtype, as the reference does."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]. Rotates pairs (i, i + head_dim/2)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dataclass(frozen=True)
+class AttnWeights:
+    """One layer's weights up to attention: input norm, fused q/k/v, (qwen3) q/k norms."""
+
+    norm: Tensor
+    qkv: Weight
+    qkv_bias: Tensor | None
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+
+
+@dataclass(frozen=True)
+class MlpWeights:
+    """One layer's weights after attention: output projection, post norm, SwiGLU."""
+
+    o: Weight
+    o_bias: Tensor | None
+    norm: Tensor
+    gate_up: Weight
+    gate_up_bias: Tensor | None
+    down: Weight
+    down_bias: Tensor | None
+
+
+def attn_in(
+    x: Tensor, w: AttnWeights, cos: Tensor, sin: Tensor, s: LayerShape
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Residual stream x [T, hidden] -> rotated q [T, H, hd], k and v [T, KVH, hd]."""
+    t = x.shape[0]
+    h = rms_norm(x, w.norm, s.eps)
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    q, k, v = torch.split(linear(h, w.qkv, w.qkv_bias), [q_out, kv_out, kv_out], dim=-1)
+    q = q.view(t, s.num_heads, s.head_dim)
+    k = k.view(t, s.num_kv_heads, s.head_dim)
+    if w.q_norm is not None and w.k_norm is not None:
+        q, k = rms_norm(q, w.q_norm, s.eps), rms_norm(k, w.k_norm, s.eps)
+    return rotate(q, cos, sin), rotate(k, cos, sin), v.view(t, s.num_kv_heads, s.head_dim)
+
+
+def attn_out_mlp(x: Tensor, attn: Tensor, w: MlpWeights, s: LayerShape) -> Tensor:
+    """x [T, hidden] and the attention output [T, H, hd] -> the layer's output x."""
+    x = x + linear(attn.reshape(x.shape[0], -1), w.o, w.o_bias)
+    h = rms_norm(x, w.norm, s.eps)
+    gate, up = torch.split(linear(h, w.gate_up, w.gate_up_bias), s.intermediate_size, dim=-1)
+    down = linear(F.silu(gate) * up, w.down, w.down_bias)
+    return x + down
+
+
+def between(
+    x: Tensor,
+    attn: Tensor,
+    mlp: MlpWeights,
+    nxt: AttnWeights,
+    cos: Tensor,
+    sin: Tensor,
+    s: LayerShape,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Everything between one layer's attention and the next one's: the rest of layer
+    i (o_proj, residual, MLP) and the start of layer i + 1 (norm, q/k/v, rope).
+    Returns (x, q, k, v)."""
+    x = attn_out_mlp(x, attn, mlp, s)
+    q, k, v = attn_in(x, nxt, cos, sin, s)
+    return x, q, k, v
+
+
+def head(x: Tensor, norm: Tensor, lm_head: Weight, eps: float) -> Tensor:
+    """The final norm and the LM head over the rows that sample -> float32 logits."""
+    logits = linear(rms_norm(x, norm, eps), lm_head, None)
+    return logits.float()
