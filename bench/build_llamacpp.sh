@@ -7,7 +7,8 @@
 # Source comes from the llama-cpp-python sdist on PyPI (it vendors llama.cpp),
 # so no git or other network access is needed. Everything goes under
 # ${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp}. Idempotent:
-# exits at once when the binaries are already there. ~10 min on 2 cores.
+# exits at once when the binaries are already there. ~10 min on 2 cores; a tool
+# added to TOOLS later is built incrementally (a minute or two) on the next call.
 set -euo pipefail
 
 VERSION=0.3.36   # llama-cpp-python version -> vendored ggml-org/llama.cpp@0c1e57098
@@ -15,10 +16,19 @@ ROOT=${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp}
 SRC=$ROOT/llama_cpp_python-$VERSION/vendor/llama.cpp
 BUILD=$ROOT/build
 BIN=$BUILD/bin
-STAMP=$BUILD/.tokenfleet-built
+STAMP=$BUILD/.tokenfleet-built  # lists the tools this llama.cpp does not have
+# llama-quantize / llama-perplexity: bench/vs_llamacpp.py (Q8_0 / F32 files, perplexity)
+TOOLS=(llama-server llama-batched-bench llama-cli llama-bench llama-quantize llama-perplexity)
 
-# 0. Already built? Done.
-if [[ -f $STAMP && -x $BIN/llama-server && -x $BIN/llama-batched-bench ]]; then
+# 0. Already built (every tool there, or known to be missing from this source)? Done.
+built() {
+  [[ -f $STAMP ]] || return 1
+  local t
+  for t in "${TOOLS[@]}"; do
+    [[ -x $BIN/$t ]] || grep -qx "skipped $t" "$STAMP" || return 1
+  done
+}
+if built; then
   echo "$BIN"; exit 0
 fi
 mkdir -p "$ROOT"
@@ -58,11 +68,12 @@ cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_COMMIT=0c1e57098
 available=$(cmake --build "$BUILD" --target help)
 targets=()
-for t in llama-server llama-batched-bench llama-cli llama-bench; do
+skipped=()
+for t in "${TOOLS[@]}"; do
   if grep -q "^$t:" <<<"$available"; then targets+=("$t")
-  else echo "note: target $t does not exist in this llama.cpp, skipped" >&2; fi
+  else skipped+=("skipped $t"); echo "note: target $t does not exist in this llama.cpp, skipped" >&2; fi
 done
 nice -n 19 cmake --build "$BUILD" --target "${targets[@]}" -j "$(nproc)"
-touch "$STAMP"
+printf '%s\n' "${skipped[@]}" >"$STAMP"
 
 echo "$BIN"

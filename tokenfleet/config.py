@@ -28,7 +28,11 @@ class Settings(BaseSettings):
         default="auto", description="auto (bfloat16 where native), float32, bfloat16 or float16"
     )
     quant: str | None = Field(default=None, description="int8 or int4 weights (CPU); none: dense")
-    compile: bool = Field(default=False, description="compile the forward's row-wise parts")
+    compile: bool | None = Field(
+        default=None,
+        description="compile the forward's row-wise parts; unset: only with --quant "
+        "(where it was measured faster)",
+    )
     queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")
 
     # the gateway (`tokenfleet gateway`; its flags take precedence): TOKENFLEET_GATEWAY_*

@@ -44,7 +44,8 @@ def worker(
         bool | None,
         typer.Option(
             "--compile/--no-compile",
-            help="compile the forward's row-wise parts at start (default: $TOKENFLEET_COMPILE)",
+            help="compile the forward's row-wise parts at start (default: "
+            "$TOKENFLEET_COMPILE, else only with --quant)",
         ),
     ] = None,
     kv_mb: Annotated[int, typer.Option("--kv-mb", help="KV cache budget, MiB")] = 256,

@@ -32,6 +32,7 @@ from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.errors import ModelConfigError, ModelLoadError
 from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
+from tokenfleet.model.quant import PackedWeight, Q4Fields
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
 
 # `general.architecture` -> the family it loads as. llama.cpp names Mistral 7B-style
@@ -85,8 +86,13 @@ class RawTensor:
     shape: tuple[int, ...]
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized."""
+def load_gguf(
+    path: str | Path, dtype: torch.dtype, device: torch.device, *, keep_q4: bool = False
+) -> LoadedModel:
+    """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized.
+
+    `keep_q4`: projections whose matrices the file stores as Q4_0 / Q4_1 are kept as
+    int4 with those very blocks (the caller quantizes the rest; needs bfloat16)."""
     file = Path(path)
     reader = open_gguf(file)
     config = gguf_config(reader, file)
@@ -94,12 +100,63 @@ def load_gguf(path: str | Path, dtype: torch.dtype, device: torch.device) -> Loa
     check_hf_names(config, found)
     wanted = set(hf_weight_shapes(config))
     hf: dict[str, torch.Tensor] = {}
+    q4: dict[str, Q4Fields] = {}
     for raw in iter_raw_tensors(reader, config):
         if raw.hf_name in wanted:
             hf[raw.hf_name] = _place(dequantize_raw(raw), dtype, device)
+            if keep_q4 and raw.quant in _Q4_BLOCK_BYTES:
+                q4[raw.hf_name] = q4_fields(raw)
     tokenizer = tokenizer_from_gguf(reader, file)
     loaded = build_model(config, to_model_state(config, hf), tokenizer, dtype, device)
+    if q4:
+        loaded.model.quantize("int4", prepacked=fused_q4(config, q4))
     return dataclasses.replace(loaded, source_quant=source_quant(reader))
+
+
+_Q4_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+
+
+def q4_fields(raw: RawTensor) -> Q4Fields:
+    """A Q4_0 / Q4_1 matrix's blocks [rows, row_bytes] unpacked (`Q4Fields`)."""
+    rows = raw.data.shape[0]
+    blocks = np.ascontiguousarray(raw.data).reshape(rows, -1, _Q4_BLOCK_BYTES[raw.quant])
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if raw.quant == GGMLQuantizationType.Q4_0:  # w = (q - 8) * d
+        m, packed = -8.0 * d, blocks[..., 2:]
+    else:  # Q4_1: w = q * d + m
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        packed = blocks[..., 4:]
+    nibbles = torch.from_numpy(packed.astype(np.int32))  # [rows, blocks, 16]
+    q = torch.cat([nibbles & 0xF, nibbles >> 4], dim=-1).reshape(rows, -1)  # low nibbles first
+    return Q4Fields(d, m, q)
+
+
+def fused_q4(config: ModelConfig, q4: dict[str, Q4Fields]) -> dict[str, PackedWeight]:
+    """The model's int4 projections (by module name) that Q4 blocks wholly cover, fused
+    like the dense weights (rows [q | k | v], [gate | up])."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        groups[f"{dst}self_attn.qkv_proj"] = (
+            (f"{src}self_attn.qkv_proj",)
+            if config.family == "phi3"
+            else tuple(f"{src}self_attn.{n}_proj" for n in "qkv")
+        )
+        groups[f"{dst}self_attn.o_proj"] = (f"{src}self_attn.o_proj",)
+        groups[f"{dst}mlp.gate_up_proj"] = (
+            (f"{src}mlp.gate_up_proj",)
+            if config.family == "phi3"
+            else (f"{src}mlp.gate_proj", f"{src}mlp.up_proj")
+        )
+        groups[f"{dst}mlp.down_proj"] = (f"{src}mlp.down_proj",)
+    head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
+    groups["lm_head"] = (head,)
+    packed: dict[str, PackedWeight] = {}
+    for module, parts in groups.items():
+        fields = [q4.get(f"{p}.weight") for p in parts]
+        if all(f is not None for f in fields):
+            packed[module] = Q4Fields.cat([f for f in fields if f is not None]).pack()
+    return packed
 
 
 def open_gguf(file: Path) -> GGUFReader:

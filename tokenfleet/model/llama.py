@@ -8,7 +8,7 @@ model's attention backend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +28,14 @@ from tokenfleet.model.layers import (
     head,
 )
 from tokenfleet.model.norm import RMSNorm
-from tokenfleet.model.quant import QuantError, QuantKind, QuantLinear, quantize, weight_of
+from tokenfleet.model.quant import (
+    PackedWeight,
+    QuantError,
+    QuantKind,
+    QuantLinear,
+    quantize,
+    weight_of,
+)
 from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -150,9 +157,14 @@ class LlamaModel(nn.Module):
             return self.compiled.head(rows, self.norm.weight)
         return head(rows, self.norm.weight, weight_of(self.lm_head), self.shape.eps)  # [S, vocab]
 
-    def quantize(self, kind: QuantKind) -> None:
-        """Keep every projection and the LM head quantized (the embedding stays dense:
-        a tick reads only its rows). Needs bf16 activations: the kernels' fast path."""
+    def quantize(
+        self, kind: QuantKind, prepacked: Mapping[str, PackedWeight] | None = None
+    ) -> None:
+        """Keep every projection and the LM head quantized (the head as int8 at least; the
+        embedding stays dense: a tick reads only its rows). Needs bf16 activations: the
+        kernels' fast path.
+        `prepacked` (by module name, e.g. "layers.0.self_attn.qkv_proj", "lm_head") are
+        used as they are; a projection already quantized is left alone."""
         if self.dtype != torch.bfloat16:
             raise QuantError(
                 f"{kind} weights run with bfloat16 activations; this model is {self.dtype} "
@@ -161,14 +173,24 @@ class LlamaModel(nn.Module):
         if self.compiled is not None:
             raise QuantError("quantize before compiling")
 
-        def packed(linear: nn.Module) -> QuantLinear:
-            assert isinstance(linear, nn.Linear | QuantLinear)
+        given = prepacked or {}
+
+        def packed(
+            name: str, linear: nn.Linear | QuantLinear, as_kind: QuantKind = kind
+        ) -> QuantLinear:
             if isinstance(linear, QuantLinear):
                 return linear
-            return QuantLinear(quantize(linear.weight, kind), linear.bias)
+            weight = given.get(name) or quantize(linear.weight, as_kind)
+            return QuantLinear(weight, linear.bias)
 
-        for layer in self.blocks:
-            attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj, attn.o_proj = packed(attn.qkv_proj), packed(attn.o_proj)
-            mlp.gate_up_proj, mlp.down_proj = packed(mlp.gate_up_proj), packed(mlp.down_proj)
-        self.lm_head = packed(self.lm_head)
+        for i, layer in enumerate(self.blocks):
+            attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
+            attn.qkv_proj = packed(f"{at}self_attn.qkv_proj", attn.qkv_proj)
+            attn.o_proj = packed(f"{at}self_attn.o_proj", attn.o_proj)
+            mlp.gate_up_proj = packed(f"{at}mlp.gate_up_proj", mlp.gate_up_proj)
+            mlp.down_proj = packed(f"{at}mlp.down_proj", mlp.down_proj)
+        # The LM head is the most sensitive matrix: with int4 it is kept int8 (as
+        # llama.cpp's 4-bit files keep it at Q6_K / Q8_0), unless a file's own 4-bit
+        # blocks are given for it (SmolLM2 int4 perplexity: 23.2 with an int4 head,
+        # measured in docs/benchmarks.md).
+        self.lm_head = packed("lm_head", self.lm_head, "int8")

@@ -65,7 +65,8 @@ def load_model(
         if dtype == "auto":
             dtype = "bfloat16"
     torch_dtype = resolve_dtype(dtype, torch_device)
-    loaded = _load(path_or_preset, torch_dtype, torch_device)
+    # int4 from a GGUF file: its Q4_0 / Q4_1 blocks are taken as they are
+    loaded = _load(path_or_preset, torch_dtype, torch_device, keep_q4=quant == "int4")
     if quant is None:
         return loaded
     try:
@@ -75,7 +76,13 @@ def load_model(
     return dataclasses.replace(loaded, quant=quant, weight_bytes=resident_bytes(loaded.model))
 
 
-def _load(path_or_preset: str, torch_dtype: torch.dtype, torch_device: torch.device) -> LoadedModel:
+def _load(
+    path_or_preset: str,
+    torch_dtype: torch.dtype,
+    torch_device: torch.device,
+    *,
+    keep_q4: bool = False,
+) -> LoadedModel:
     if path_or_preset == SMOLLM2_PRESET:
         path_or_preset = str(require_smollm2_gguf())
     preset = PRESETS.get(path_or_preset)
@@ -88,7 +95,9 @@ def _load(path_or_preset: str, torch_dtype: torch.dtype, torch_device: torch.dev
     if path_or_preset.endswith(".gguf"):
         from tokenfleet.model.gguf import load_gguf  # gguf and its deps only for .gguf
 
-        return load_gguf(path_or_preset, torch_dtype, torch_device)
+        if keep_q4 and torch_dtype != torch.bfloat16:
+            raise ModelLoadError("int4 weights run with bfloat16 activations")
+        return load_gguf(path_or_preset, torch_dtype, torch_device, keep_q4=keep_q4)
 
     folder = Path(path_or_preset)
     if looks_like_hub_id(path_or_preset):

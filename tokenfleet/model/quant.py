@@ -10,17 +10,19 @@ activations (their fast path; float32 activations are 10-40x slower there):
           for each group g of 32 input columns, q in [0, 15]
 
 Measured here (SmolLM2-135M's 121 matrices in a row, 2 threads, bf16 13.8 ms):
-int8 5.1 ms and int4 3.2 ms at one row, 10.7 / 8.1 ms at 8 rows (bf16 15.4).
+int8 5.1 ms and int4 3.2 ms at one row, 10.7 / 7.0 ms at 8 rows (bf16 15.4); at 256
+rows (a prefill chunk) they are 2.7x slower than bf16, see `PackedWeight.matmul`.
 
-Quantized from the dense weights at load. The int4 layout is llama.cpp's Q4_0 /
-Q4_1 block (32 values, one scale and one offset), so those files could hand their
-blocks over as they are (`from_q4_blocks`, not wired into the GGUF loader yet:
-today every file is dequantized first and requantized, which for Q4_1 is exact up
-to the bf16 rounding of the scales).
+Quantized from the dense weights at load, except where a GGUF file's matrices are
+already llama.cpp Q4_0 / Q4_1 blocks (32 values, one scale, one offset: int4's
+layout): `--quant int4` takes those as they are (`gguf.q4_fields`, `Q4Fields`),
+exact up to the bf16 rounding of the scales, instead of quantizing the dequantized
+values a second time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,6 +32,9 @@ from torch import Tensor, nn
 QuantKind = Literal["int8", "int4"]
 QUANT_KINDS: tuple[QuantKind, ...] = ("int8", "int4")
 INT4_GROUP = 32
+# Rows up to which `_weight_int8pack_mm` beats dequantize + bf16 matmul (measured on
+# SmolLM2's matrices, 2 threads: equal at 16 rows, 1.5x slower at 32, 2.7x at 256).
+PACKED_MAX_ROWS = 16
 
 
 class QuantError(ValueError):
@@ -51,9 +56,18 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
 
     def matmul(self, x: Tensor) -> Tensor:
-        """x [T, in] bf16 -> x @ w.T [T, out] bf16."""
-        if self.kind == "int8":
-            y: Tensor = torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
+        """x [T, in] bf16 -> x @ w.T [T, out] bf16.
+
+        The packed kernels win while a call reads more weight bytes than it does
+        arithmetic: up to ~16 rows here. A longer int8 call (a prefill chunk)
+        dequantizes the matrix to bf16 for that call and runs the dense matmul, 1.9x
+        faster at 256 rows; int4 has no cheap way back to bf16 (torch keeps its packed
+        layout private), so its prefill runs at the packed kernel's speed."""
+        if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS:
+            dense = self.data.to(x.dtype) * self.scales[:, None]
+            y: Tensor = torch.nn.functional.linear(x, dense)
+        elif self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
         return y
@@ -96,6 +110,28 @@ def from_q4_blocks(d: Tensor, m: Tensor | None, q: Tensor) -> PackedWeight:
     scale = d.float()
     zero = torch.zeros_like(scale) if m is None else m.float() + 8.0 * scale
     return _pack_int4(q.to(torch.int32), scale, zero)
+
+
+@dataclass(frozen=True)
+class Q4Fields:
+    """llama.cpp Q4_0 / Q4_1 blocks unpacked: w = q * d + m, with d and m [rows, in / 32]
+    and q [rows, in] in [0, 15] (Q4_0's w = (q - 8) * d is m = -8 d)."""
+
+    d: Tensor
+    m: Tensor
+    q: Tensor
+
+    @staticmethod
+    def cat(parts: Sequence[Q4Fields]) -> Q4Fields:
+        """Row blocks of several matrices stacked (q | k | v, gate | up)."""
+        return Q4Fields(
+            torch.cat([p.d for p in parts]),
+            torch.cat([p.m for p in parts]),
+            torch.cat([p.q for p in parts]),
+        )
+
+    def pack(self) -> PackedWeight:
+        return from_q4_blocks(self.d, self.m, self.q)
 
 
 def _pack_int4(q: Tensor, scale: Tensor, zero: Tensor) -> PackedWeight:

@@ -67,7 +67,8 @@ def build_worker(
     dtype         auto, float32, bfloat16 or float16; None: `settings.dtype`
     quant         int8 or int4 weights ("none": dense); None: `settings.quant`
     compile_model compile the forward's row-wise parts and warm them up before serving;
-                  None: `settings.compile`
+                  None: `settings.compile`, and where that is unset too: only for
+                  quantized weights (measured faster there, not for dense ones)
     engine        the node's budget knobs (default `EngineConfig()`)
     options       the loop's options: name, jobs stream (`model`), burst, drain, ...;
                   its heartbeat `info` gets the model, device, dtype and host added
@@ -90,7 +91,11 @@ def build_worker(
         quant=None if quant in (None, "none") else quant,
     )
     compile_info: dict[str, object] = {}
-    if compile_model if compile_model is not None else settings.compile:
+    if compile_model is None:
+        compile_model = settings.compile
+    if compile_model is None:  # auto: where it pays (docs/benchmarks.md, issue 12)
+        compile_model = loaded.quant is not None
+    if compile_model:
         from tokenfleet.model.compiled import compile_model as compile_
 
         report = compile_(loaded.model)

@@ -1,0 +1,114 @@
+"""Speed that survives a neighbour: the engine's decode throughput alone on the cores and
+beside one CPU-bound process, per thread setting.
+
+Usage: python bench/neighbour.py [--rounds 3] [--out bench/out/neighbour.json]
+
+Each measurement is a fresh child process (thread and OpenMP settings apply at start)
+that loads SmolLM2-135M-Instruct (dtype auto), decodes 8 streams x 64 tokens through
+the in-process Engine, and reports useful tok/s. The neighbour is a second process
+spinning one core in pure Python, started before the child and killed after it.
+Settings are interleaved per round (quiet, busy, quiet, busy ...), and the verdict is
+each setting's median busy / quiet ratio (target >= 0.4: a worker that keeps at least
+about half its cores should keep at least 0.4 of its speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from report import load_now, machine_info, mark_end, write_report
+
+SETTINGS: dict[str, dict[str, str]] = {
+    "2 threads, OpenMP default": {"OMP_NUM_THREADS": "2"},
+    "2 threads, OMP_WAIT_POLICY=PASSIVE": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    "2 threads, GOMP_SPINCOUNT=10000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"},
+    "2 threads, GOMP_SPINCOUNT=100000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000"},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+}
+
+CHILD = r"""
+import json, sys, time, torch
+from tokenfleet.model import load_model
+from tokenfleet.protocol import GenerationRequest
+from tokenfleet.worker.engine import Engine, EngineConfig
+loaded = load_model("smollm2-135m-instruct", dtype="auto", device="cpu")
+def run():
+    eng = Engine(loaded, EngineConfig(kv_budget_bytes=256 * 2**20))
+    for i in range(8):
+        eng.submit(GenerationRequest(job_id=f"j{i}", prompt_ids=[1 + i, 20, 30, 40] * 8,
+                                     max_new_tokens=64, ignore_eos=True))
+    t, n = time.perf_counter(), 0
+    while eng.has_work:
+        n += len(eng.step().tokens)
+    return n / (time.perf_counter() - t)
+run()  # warm-up
+print(json.dumps({"tok_s": run(), "threads": torch.get_num_threads()}))
+"""
+
+SPIN = "while True: pass"
+
+
+def measure(env: dict[str, str], busy: bool) -> dict[str, Any]:
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["load"] = load_now()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="bench/out/neighbour.json")
+    parser.add_argument("--settings", default="|".join(SETTINGS), help="names, |-separated")
+    args = parser.parse_args()
+    machine = machine_info()
+    started = time.perf_counter()
+    chosen = {name: SETTINGS[name] for name in args.settings.split("|")}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        name: {"quiet": [], "busy": []} for name in chosen
+    }
+    for r in range(args.rounds):
+        for name, env in chosen.items():
+            for busy in (False, True) if r % 2 == 0 else (True, False):
+                got = measure(env, busy)
+                runs[name]["busy" if busy else "quiet"].append(got)
+                print(f"round {r} {name:38s} {'busy ' if busy else 'quiet'} {got['tok_s']:7.1f}")
+    summary = {}
+    for name, both in runs.items():
+        quiet = statistics.median(x["tok_s"] for x in both["quiet"])
+        busy = statistics.median(x["tok_s"] for x in both["busy"])
+        summary[name] = {"quiet_tok_s": quiet, "busy_tok_s": busy, "ratio": busy / quiet}
+        print(f"{name:38s} quiet {quiet:7.1f}  busy {busy:7.1f}  ratio {busy / quiet:.2f}")
+    report = {
+        "machine": mark_end(machine),
+        "wall_s": time.perf_counter() - started,
+        "settings": chosen,
+        "runs": runs,
+        "summary": summary,
+    }
+    print("wrote", write_report(Path(args.out), report))
+
+
+if __name__ == "__main__":
+    main()
