@@ -7,6 +7,11 @@ and the worker it returns serves jobs from the fleet the settings name.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -14,6 +19,7 @@ import pytest
 from tokenfleet.config import Settings
 from tokenfleet.errors import JobFailed, ModelLoadError
 from tokenfleet.keys import Keys
+from tokenfleet.model import load_model
 from tokenfleet.producer import Producer
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.engine import EngineConfig
@@ -105,3 +111,64 @@ def test_a_budget_that_does_not_fit_the_model_is_an_invalid_budget(redis_url: st
     conf = fleet_settings(redis_url, device="cpu")
     with pytest.raises(InvalidBudget, match=r"^invalid budget: kv_budget_bytes"):
         build_worker(conf, engine=EngineConfig(kv_budget_bytes=0))
+
+
+def test_quantized_weights_are_compiled_by_default_and_serve_jobs(redis_url: str) -> None:
+    worker = build_worker(
+        fleet_settings(redis_url),
+        checkpoint="tiny-random",
+        device="cpu",
+        quant="int8",
+        options=WorkerOptions(name="wm-int8", model="int8", burst=True),
+    )
+    info = worker.options.info
+    assert (info["quant"], info["dtype"]) == ("int8", "bfloat16")  # auto: int8 needs bf16
+    assert info["compile_mode"] == "default" and info["compile_s"] > 0  # unset: on with quant
+    assert worker.engine.runner.spec.weight_bytes < load_model("tiny-random").weight_bytes
+    producer = Producer.from_url(redis_url, prefix=PREFIX)
+    job = producer.submit(prompt="hello", max_new_tokens=6, model="int8", ignore_eos=True)
+    assert worker.run() == 0
+    assert job.result(timeout=10).usage.completion_tokens == 6
+
+
+FALLBACK = """
+import json, sys
+from tokenfleet.config import Settings
+from tokenfleet.worker.loop import WorkerOptions
+from tokenfleet.worker.main import build_worker
+from tokenfleet.errors import ModelLoadError
+settings = Settings().model_copy(update={"redis_url": sys.argv[1], "prefix": "wm:"})
+explicit = {"auto": None, "on": True}[sys.argv[2]]
+try:
+    w = build_worker(settings, checkpoint="tiny-random", device="cpu", quant="int8",
+                     compile_model=explicit, options=WorkerOptions(name="wm-cc", burst=True))
+    print(json.dumps({k: w.options.info.get(k) for k in ("compile_mode", "compile_error")}))
+except ModelLoadError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+@pytest.mark.parametrize("asked", ["auto", "on"])
+def test_without_a_cxx_compiler_auto_compile_serves_eagerly(
+    redis_url: str, asked: str, tmp_path: Path
+) -> None:
+    """No C++ compiler for inductor (a slim image): a worker that compiles by default
+    serves eagerly and says why; one started with --compile fails at start, by name."""
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),  # nothing cached to reuse
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", FALLBACK, redis_url, asked],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if asked == "auto":
+        assert got["compile_mode"] is None and got["compile_error"], got
+    else:
+        assert got["error"].startswith("--compile failed"), got

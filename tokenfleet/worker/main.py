@@ -13,15 +13,17 @@ Process-wide set-up stays with the caller: logging, signal handlers
 
 from __future__ import annotations
 
+import logging
 import platform
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 import redis
 import torch
 
 from tokenfleet.config import Settings
-from tokenfleet.errors import TokenfleetError
+from tokenfleet.errors import ModelLoadError, TokenfleetError
 from tokenfleet.keys import Keys
 from tokenfleet.model.loader import load_model
 from tokenfleet.worker.engine import Engine, EngineConfig
@@ -30,6 +32,8 @@ from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.session import Session
 
 __all__ = ["InvalidBudget", "build_worker", "fault_on_metadata"]
+
+logger = logging.getLogger(__name__)
 
 
 class InvalidBudget(TokenfleetError, ValueError):
@@ -93,13 +97,13 @@ def build_worker(
     compile_info: dict[str, object] = {}
     if compile_model is None:
         compile_model = settings.compile
+    explicit = compile_model is not None
     if compile_model is None:  # auto: where it pays (docs/benchmarks.md, issue 12)
         compile_model = loaded.quant is not None
     if compile_model:
         from tokenfleet.model.compiled import compile_model as compile_
 
-        report = compile_(loaded.model)
-        compile_info = {"compile_mode": report.mode, "compile_s": round(report.warmup_s, 2)}
+        compile_info = _compile_or_stay_eager(loaded.model, compile_, explicit)
     fault = fault_on_metadata(fault_key) if fault_key is not None else None
     try:
         core = Engine(loaded, engine or EngineConfig(), worker=options.name, fault=fault)
@@ -129,3 +133,22 @@ def build_worker(
         metrics.serve(metrics_port)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, health_check_interval=5)
     return Worker(core, client, Keys(settings.prefix), options, metrics)
+
+
+def _compile_or_stay_eager(
+    model: Any, compile_: Callable[[Any], Any], explicit: bool
+) -> dict[str, object]:
+    """Compile the model's forward; when that fails (no C++ compiler for inductor, an
+    unsupported platform) a worker that did not ask for it serves eagerly instead, and
+    says why in its hash. One that asked (`--compile`) fails at start."""
+    try:
+        report = compile_(model)
+    except Exception as exc:  # inductor raises many kinds (CppCompileError, OSError, ...)
+        if explicit:
+            raise ModelLoadError(f"--compile failed: {type(exc).__name__}: {exc}") from exc
+        from tokenfleet.model.compiled import uncompile_model
+
+        uncompile_model(model)
+        logger.warning("compiling the forward failed, serving eagerly: %s", exc)
+        return {"compile_mode": None, "compile_error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"compile_mode": report.mode, "compile_s": round(report.warmup_s, 2)}
