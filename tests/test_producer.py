@@ -277,6 +277,11 @@ def test_a_job_no_live_worker_could_hold_is_refused_at_submit(
         aproducer = AsyncProducer.from_url(redis_url)
         with pytest.raises(JobRejected):
             await aproducer.submit(prompt="x", max_new_tokens=600)
+        many = await aproducer.submit_many(
+            [GenerationRequest(prompt="x", max_new_tokens=600), GenerationRequest(prompt="y")]
+        )
+        assert isinstance(many[0][2], JobRejected) and many[0][1] is None
+        assert many[1][1] is not None and many[1][2] is None
         await aproducer.aclose()
 
     asyncio.run(refused_async())

@@ -117,8 +117,10 @@ class AsyncProducer(ProducerCore[aredis.Redis]):
     async def submit_many(
         self, requests: Iterable[GenerationRequest]
     ) -> list[tuple[str, AsyncJobHandle | None, Exception | None]]:
-        """Submit in one round trip: (job id, handle or None, error or None) per job."""
-        submitted = await self._run(self._submit_many_plan(requests, check_fit=False))
+        """Submit in one round trip: (job id, handle or None, error or None) per job; a
+        job no live worker could hold is refused (JobRejected) without being sent, as
+        `Producer.submit_many` does."""
+        submitted = await self._run(self._submit_many_plan(requests, check_fit=True))
         return [
             (job_id, None if reply is None else self._handle(reply), error)
             for job_id, reply, error in submitted
