@@ -85,7 +85,6 @@ _FOLLOW = {
     "xrange": "replaying the job's events",
     "xlen": "submit.lua: the queue depth; Producer.depth",
     "zrange": "live workers' names (capacity check before submit)",
-    "hmget": "live workers' capacity (AsyncProducer)",
     "subscribe": "the job's live channel",
 }
 
