@@ -299,36 +299,29 @@ def cmd_env(args: argparse.Namespace) -> None:
 
 # ---- eager vs compiled decode steps -------------------------------------------------
 
-# Random checkpoints of these shapes (timing does not depend on the weights' values).
-SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=688,
-        vocab_size=4096,
-    ),
-    "small": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab_size=32000,
-    ),
-    # SmolLM2-135M's shape (its config.json), random weights: no 94 MiB file to carry.
-    "smollm2-shape": dict(
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-        rope_theta=100000.0,
-    ),
-}
+# Random checkpoints (timing does not depend on the weights' values): the engine
+# benchmark's tiny and small configs (bench/_common.py), and SmolLM2-135M's shape (its
+# config.json), so no 94 MiB file has to be carried.
+SMOLLM2_SHAPE: dict[str, Any] = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+    rope_theta=100000.0,
+)
+
+
+def _shape(name: str) -> dict[str, Any]:
+    if name == "smollm2-shape":
+        return SMOLLM2_SHAPE
+    from _common import MODEL_CONFIGS  # imports torch: only where a model is built
+
+    return MODEL_CONFIGS[name]
+
+
 BLOCK = 16
 
 
@@ -337,7 +330,7 @@ def _checkpoint(shape: str, folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        **SHAPES[shape], max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=None
+        **_shape(shape), max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=None
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)

@@ -198,3 +198,26 @@ def run_chunks(
         out.append(model.forward(step, [SeqInput(block_table, pos, n)], pool)[0])
         pos += n
     return torch.stack(out)
+
+
+def greedy_engine_style(
+    model: LlamaModel, prompts: list[list[int]], new: int, block: int, num_blocks: int
+) -> list[list[int]]:
+    """Greedy tokens as an engine runs them: every prompt prefilled in chunks of <= 16
+    tokens, then all sequences decoded together, one forward per step."""
+    pool = model.new_kv_pool(num_blocks, block)
+    tables = block_tables([len(p) + new for p in prompts], block, num_blocks, seed=5)
+    generated: list[list[int]] = []
+    for p, table in zip(prompts, tables, strict=True):
+        chunks = [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
+        logits = run_chunks(model, pool, p, table, chunks)
+        generated.append([int(logits[-1].argmax())])
+    for _ in range(new - 1):
+        seqs = [
+            SeqInput(t, len(p) + len(gen) - 1, 1)
+            for p, t, gen in zip(prompts, tables, generated, strict=True)
+        ]
+        logits = model.forward([gen[-1] for gen in generated], seqs, pool)
+        for gen, row in zip(generated, logits.argmax(-1).tolist(), strict=True):
+            gen.append(int(row))
+    return generated

@@ -28,7 +28,14 @@ from typing import Any
 
 import pytest
 import torch
-from model_helpers import REFERENCE_CONFIGS, block_tables, make_hf_llama, run_chunks, save_hf_llama
+from model_helpers import (
+    REFERENCE_CONFIGS,
+    block_tables,
+    greedy_engine_style,
+    make_hf_llama,
+    run_chunks,
+    save_hf_llama,
+)
 from transformers import AutoModelForCausalLM
 
 from tokenfleet.model import LoadedModel, SeqInput, load_model
@@ -146,25 +153,7 @@ def greedy_generate(hf: Any, prompts: list[list[int]], new: int) -> list[list[in
 
 
 def greedy_ours(loaded: LoadedModel, prompts: list[list[int]], new: int) -> list[list[int]]:
-    """Every prompt prefilled in chunks of <= 16, then all decoded together, one forward
-    per step (as an engine runs them)."""
-    model = loaded.model
-    pool = model.new_kv_pool(NUM_BLOCKS, BLOCK)
-    tables = block_tables([len(p) + new for p in prompts], BLOCK, NUM_BLOCKS, seed=5)
-    generated: list[list[int]] = []
-    for p, table in zip(prompts, tables, strict=True):
-        chunks = [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
-        logits = run_chunks(model, pool, p, table, chunks)
-        generated.append([int(logits[-1].argmax())])
-    for _ in range(new - 1):
-        seqs = [
-            SeqInput(t, len(p) + len(gen) - 1, 1)
-            for p, t, gen in zip(prompts, tables, generated, strict=True)
-        ]
-        logits = model.forward([gen[-1] for gen in generated], seqs, pool)
-        for gen, row in zip(generated, logits.argmax(-1).tolist(), strict=True):
-            gen.append(int(row))
-    return generated
+    return greedy_engine_style(loaded.model, prompts, new, BLOCK, NUM_BLOCKS)
 
 
 def test_fp32_greedy_tokens_match_generate(folder: Path) -> None:

@@ -13,6 +13,7 @@ from gguf_helpers import F32, GGUF_ARCH, Q8_0, round_trip_model, write_gguf
 from model_helpers import (
     REFERENCE_CONFIGS,
     block_tables,
+    greedy_engine_style,
     make_hf_llama,
     reference_logits,
     run_chunks,
@@ -127,24 +128,8 @@ def test_greedy_tokens_match_generate(pair: tuple[LlamaForCausalLM, LoadedModel]
         )
         expected.append(out[0, len(p) :].tolist())
 
-    # Ours as an engine would run it: every prompt prefilled in chunks of <= 16
-    # tokens, then all 8 sequences decoded together, one forward per step.
-    pool = model.new_kv_pool(NUM_BLOCKS, BLOCK)
-    tables = block_tables([n + new for n in lengths], BLOCK, NUM_BLOCKS, seed=5)
-    generated: list[list[int]] = []
-    for p, table in zip(prompts, tables, strict=True):
-        chunks = [16] * (len(p) // 16) + ([len(p) % 16] if len(p) % 16 else [])
-        logits = run_chunks(model, pool, p, table, chunks)
-        generated.append([int(logits[-1].argmax())])
-    for _ in range(new - 1):
-        seqs = [
-            SeqInput(t, len(p) + len(gen) - 1, 1)
-            for p, t, gen in zip(prompts, tables, generated, strict=True)
-        ]
-        step = torch.tensor([gen[-1] for gen in generated])
-        logits = model.forward(step, seqs, pool)
-        for gen, row in zip(generated, logits, strict=True):
-            gen.append(int(row.argmax()))
+    # Ours as an engine would run it: chunked prefill, then one batched decode per step
+    generated = greedy_engine_style(model, prompts, new, BLOCK, NUM_BLOCKS)
     assert generated == expected
 
 

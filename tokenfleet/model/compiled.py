@@ -129,8 +129,8 @@ class CompiledSteps:
 
     def __init__(self, model: LlamaModel, mode: str) -> None:
         shape = model.shape
-        attn = [_flatten(layer.attn_weights()) for layer in model.blocks]
-        mlp = [_flatten(layer.mlp_weights()) for layer in model.blocks]
+        attn = [_flatten(a) for a, _ in model.layer_weights()]
+        mlp = [_flatten(m) for _, m in model.layer_weights()]
         # every layer is laid out alike: one spec serves all of them
         attn_spec, mlp_spec = attn[0][0], mlp[0][0]
         if any(a[0] != attn_spec for a in attn) or any(m[0] != mlp_spec for m in mlp):

@@ -73,9 +73,12 @@ class DecoderLayer(nn.Module):
             weight_of(o), o.bias, norm, weight_of(gu), gu.bias, weight_of(down), down.bias
         )
 
-    def forward(self, x: Tensor, ctx: ForwardContext, shape: LayerShape) -> Tensor:
-        q, k, v = attn_in(x, self.attn_weights(), ctx.cos, ctx.sin, shape)
-        return attn_out_mlp(x, self.self_attn.attend(q, k, v, ctx), self.mlp_weights(), shape)
+    def forward(
+        self, x: Tensor, ctx: ForwardContext, shape: LayerShape, attn: AttnWeights, mlp: MlpWeights
+    ) -> Tensor:
+        """`attn` / `mlp`: this layer's weights (`LlamaModel.layer_weights`)."""
+        q, k, v = attn_in(x, attn, ctx.cos, ctx.sin, shape)
+        return attn_out_mlp(x, self.self_attn.attend(q, k, v, ctx), mlp, shape)
 
 
 class LlamaModel(nn.Module):
@@ -85,7 +88,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        blocks = [DecoderLayer(config, i) for i in range(config.num_layers)]
+        self.layers = nn.ModuleList(blocks)
+        self.blocks = blocks  # the same layers, typed
+        # Each layer's weights for the layer math, gathered once (`layer_weights`); a
+        # projection swapped for a quantized one (`quantize`) drops them.
+        self._layer_weights: list[tuple[AttnWeights, MlpWeights]] | None = None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | QuantLinear = nn.Linear(
             config.hidden_size, config.vocab_size, bias=False
@@ -106,10 +114,10 @@ class LlamaModel(nn.Module):
         # Set by `compiled.compile_model`: runs the row-wise parts compiled.
         self.compiled: CompiledSteps | None = None
 
-    @property
-    def blocks(self) -> list[DecoderLayer]:
-        """The decoder layers, typed (`self.layers` is the ModuleList holding them)."""
-        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+    def layer_weights(self) -> list[tuple[AttnWeights, MlpWeights]]:
+        if self._layer_weights is None:
+            self._layer_weights = [(b.attn_weights(), b.mlp_weights()) for b in self.blocks]
+        return self._layer_weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,8 +158,8 @@ class LlamaModel(nn.Module):
         if self.compiled is not None:
             x = self.compiled.layers(self, x, ctx)
         else:
-            for layer in self.layers:
-                x = layer(x, ctx, self.shape)
+            for layer, (attn_w, mlp_w) in zip(self.blocks, self.layer_weights(), strict=True):
+                x = layer(x, ctx, self.shape, attn_w, mlp_w)
         rows = x[plan.last_rows]  # [S, hidden]; the norm is per row
         if self.compiled is not None:
             return self.compiled.head(rows, self.norm.weight)
@@ -174,6 +182,7 @@ class LlamaModel(nn.Module):
             raise QuantError("quantize before compiling")
 
         given = prepacked or {}
+        self._layer_weights = None
 
         def packed(
             name: str, linear: nn.Linear | QuantLinear, as_kind: QuantKind = kind
