@@ -32,16 +32,23 @@ SETTINGS: dict[str, dict[str, str]] = {
     "2 threads, GOMP_SPINCOUNT=10000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "10000"},
     "2 threads, GOMP_SPINCOUNT=100000": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "100000"},
     "1 thread": {"OMP_NUM_THREADS": "1"},
+    # what `tokenfleet worker` does unless --threads is given: start at one thread per
+    # core and follow the cores other processes leave free (worker/threads.py)
+    "2 threads, governed (worker default)": {"OMP_NUM_THREADS": "2", "BENCH_GOVERNOR": "1"},
 }
 
 CHILD = r"""
-import json, sys, time, torch
+import json, os, sys, time, torch
 from tokenfleet.model import load_model
+from tokenfleet.worker.threads import ThreadGovernor
 from tokenfleet.protocol import GenerationRequest
 from tokenfleet.worker.engine import Engine, EngineConfig
 loaded = load_model("smollm2-135m-instruct", dtype="auto", device="cpu")
+governor = None
+if os.environ.get("BENCH_GOVERNOR"):
+    governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
 def run():
-    eng = Engine(loaded, EngineConfig(kv_budget_bytes=256 * 2**20))
+    eng = Engine(loaded, EngineConfig(kv_budget_bytes=256 * 2**20), threads=governor)
     for i in range(8):
         eng.submit(GenerationRequest(job_id=f"j{i}", prompt_ids=[1 + i, 20, 30, 40] * 8,
                                      max_new_tokens=64, ignore_eos=True))
@@ -50,7 +57,9 @@ def run():
         n += len(eng.step().tokens)
     return n / (time.perf_counter() - t)
 run()  # warm-up
-print(json.dumps({"tok_s": run(), "threads": torch.get_num_threads()}))
+tok_s = run()
+info = governor.telemetry() if governor is not None else {}
+print(json.dumps({"tok_s": tok_s, "threads": torch.get_num_threads(), "governor": info}))
 """
 
 SPIN = "while True: pass"
@@ -93,7 +102,10 @@ def main() -> None:
             for busy in (False, True) if r % 2 == 0 else (True, False):
                 got = measure(env, busy)
                 runs[name]["busy" if busy else "quiet"].append(got)
-                print(f"round {r} {name:38s} {'busy ' if busy else 'quiet'} {got['tok_s']:7.1f}")
+                print(
+                    f"round {r} {name:38s} {'busy ' if busy else 'quiet'} {got['tok_s']:7.1f}"
+                    f" threads {got['threads']} {got.get('governor') or ''}"
+                )
     summary = {}
     for name, both in runs.items():
         quiet = statistics.median(x["tok_s"] for x in both["quiet"])

@@ -261,6 +261,7 @@ class Stream:
     last: float = math.nan  # last token
     tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = -1  # what the server says it evaluated
+    cached_tokens: int = 0  # prompt tokens llama-server took from its cache (timings.cache_n)
     stop_type: str = ""
     eog: list[int] = field(default_factory=list)  # tokens ignore_eos masked (server's view)
 
@@ -269,9 +270,18 @@ class Server:
     """One llama-server process: `slots` parallel slots of `slot_ctx` tokens each."""
 
     def __init__(
-        self, bin_dir: Path, model: Path, threads: int, slots: int, slot_ctx: int, log: Path
+        self,
+        bin_dir: Path,
+        model: Path,
+        threads: int,
+        slots: int,
+        slot_ctx: int,
+        log: Path,
+        *,
+        prompt_cache: bool = False,
     ) -> None:
         self.port = free_port()
+        self.prompt_cache = prompt_cache
         self.slots = slots
         self.log_path = log
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -281,9 +291,9 @@ class Server:
             *("-m", str(model), "-t", str(threads), "-tb", str(threads)),
             *("-np", str(slots), "-c", str(slots * slot_ctx)),
             *("--host", "127.0.0.1", "--port", str(self.port), "--no-webui"),
-            # no cross-request prompt cache in RAM: every request here is a new prompt
-            *("--cache-ram", "0"),
         ]
+        if not prompt_cache:  # every request here is a new prompt: no cache in RAM either
+            self.args += ["--cache-ram", "0"]
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT)
         self._wait_ready()
 
@@ -333,7 +343,7 @@ class Server:
     def stream(self, prompt: list[int], new: int, t0: float) -> Stream:
         """One streamed greedy /completion of exactly `new` tokens from token ids."""
         out = Stream()
-        body = completion_body(prompt, new) | {"stream": True}
+        body = completion_body(prompt, new) | {"stream": True, "cache_prompt": self.prompt_cache}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
             conn.request("POST", "/completion", json.dumps(body))
@@ -352,6 +362,8 @@ class Server:
                     out.last = now
                     out.tokens.extend(chunk["tokens"])
                 out.prompt_tokens = int(chunk.get("tokens_evaluated", out.prompt_tokens))
+                if "timings" in chunk:  # the final chunk: how much of the prompt was cached
+                    out.cached_tokens = int(chunk["timings"].get("cache_n", out.cached_tokens))
                 if chunk.get("stop"):
                     out.stop_type = str(chunk.get("stop_type", ""))
                     settings = chunk.get("generation_settings", {})

@@ -63,6 +63,18 @@ def test_metrics_count_what_the_worker_served(fleet: Fleet, r: redis.Redis) -> N
     assert m[("tokenfleet_inter_token_latency_seconds_count", ())] == generated - 4
     assert m[("tokenfleet_num_requests_running", ())] == 0
     assert m[("tokenfleet_kv_cache_usage_perc", ())] == 0.0
+    # every prompt was looked up in the prefix cache; none fills a block, so no hits
+    assert m[("tokenfleet_prefix_cache_queries_total", ())] == prompt_tokens
+    assert m[("tokenfleet_prefix_cache_hits_total", ())] == 0
+    # two jobs, one after the other, sharing 40 prompt tokens: 2 full blocks of 16 hit
+    shared = list(range(10, 50))
+    for i in range(2):
+        producer.submit(prompt_ids=[*shared, 60 + i], max_new_tokens=2, job_id=f"p{i}").result(
+            timeout=60
+        )
+    hits = ("tokenfleet_prefix_cache_hits_total", ())
+    wait_for(lambda: scrape(port).get(hits) == 32, 30, "32 prefix-cache hit tokens")
+    assert scrape(port)[("tokenfleet_prefix_cache_queries_total", ())] == prompt_tokens + 82
     # beyond the model's context length (2048): refused by the worker's admission
     too_long = producer.submit(prompt_ids=[1] * 10, max_new_tokens=8000, job_id="never-fits")
     with pytest.raises(JobRejected, match="context length"):

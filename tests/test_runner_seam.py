@@ -98,8 +98,7 @@ class PagedFakeRunner:
                 self.slots[self._slot(entry.block_table, start + i)] = token
             if samples:
                 context = [
-                    self.slots[self._slot(entry.block_table, p)]
-                    for p in range(entry.context_len)
+                    self.slots[self._slot(entry.block_table, p)] for p in range(entry.context_len)
                 ]
                 assert None not in context, f"{sid} reads a slot never written"
                 tokens.append(next_token(context, sampling[sid].seed))  # type: ignore[arg-type]

@@ -172,3 +172,40 @@ def test_without_a_cxx_compiler_auto_compile_serves_eagerly(
         assert got["compile_mode"] is None and got["compile_error"], got
     else:
         assert got["error"].startswith("--compile failed"), got
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to govern")
+def test_unpinned_threads_are_governed_and_reported_pinned_ones_are_kept(
+    redis_url: str,
+) -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        worker = build_worker(
+            fleet_settings(redis_url),
+            checkpoint="tiny-random",
+            device="cpu",
+            dtype="float32",
+            options=WorkerOptions(name="wm-gov", model="gov", burst=True),
+        )
+        assert worker.engine.threads is not None and worker.engine.threads.max_threads == 2
+        producer = Producer.from_url(redis_url, prefix=PREFIX)
+        job = producer.submit(prompt="hello", max_new_tokens=4, model="gov", ignore_eos=True)
+        assert worker.run() == 0
+        assert job.result(timeout=10).usage.completion_tokens == 4
+        telemetry = worker.engine.telemetry()  # what the heartbeat writes to the hash
+        assert telemetry["threads_max"] == 2 and telemetry["threads"] in (1, 2)
+
+        pinned = build_worker(
+            fleet_settings(redis_url),
+            checkpoint="tiny-random",
+            device="cpu",
+            dtype="float32",
+            threads=1,
+            options=WorkerOptions(name="wm-pinned", burst=True),
+        )
+        assert pinned.engine.threads is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,9 @@ class Settings(BaseSettings):
         description="compile the forward's row-wise parts; unset: only with --quant "
         "(where it was measured faster)",
     )
+    prefix_cache: bool = Field(
+        default=True, description="share full KV blocks between jobs with the same prefix"
+    )
     queue_cap: int = Field(default=1000, ge=1, description="default jobs-stream cap")
 
     # the gateway (`tokenfleet gateway`; its flags take precedence): TOKENFLEET_GATEWAY_*

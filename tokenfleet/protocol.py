@@ -41,6 +41,7 @@ MAX_MESSAGE_CHARS = 64 * 1024
 MAX_METADATA_ITEMS = 32
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
+MAX_CACHE_SALT_CHARS = 256
 MAX_SEED = 2**63 - 1
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
@@ -117,6 +118,9 @@ class GenerationRequest(_Message):
     # then ends as `deadline` (error reason `queue_deadline`) before any prefill.
     queue_deadline: float | None = Field(default=None, ge=0.0, description="unix time, seconds")
     model: Annotated[str, Field(pattern=MODEL_NAME_PATTERN)] | None = None
+    # Jobs share cached prefix KV blocks only with jobs of the same salt (None is a salt
+    # too): a tenant that must not learn from cache timing sends a secret of its own.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
         default_factory=dict, max_length=MAX_METADATA_ITEMS
     )
@@ -145,6 +149,8 @@ class GenerationRequest(_Message):
 class Usage(_Message):
     prompt_tokens: int = Field(default=0, ge=0)
     completion_tokens: int = Field(default=0, ge=0)
+    # prompt tokens whose KV the worker's prefix cache supplied (not computed again)
+    cached_tokens: int = Field(default=0, ge=0)
 
 
 class Timings(_Message):

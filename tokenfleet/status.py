@@ -78,6 +78,7 @@ def render_status(status: dict[str, Any]) -> Group:
         "KV MiB used/budget",
         "decode tok/s",
         "tick p50 ms",
+        "prefix hit",
         "finished",
     )
     for column in columns:
@@ -97,6 +98,15 @@ def render_status(status: dict[str, Any]) -> Group:
             f"{_mib(w.get('kv_used_bytes'))}/{_mib(w.get('kv_budget_bytes'))}",
             f"{w.get('decode_tokens_per_s') or 0:,.0f}",
             f"{w.get('tick_ms_p50') or 0:.1f}",
+            _prefix_hit(w),
             str(finished),
         )
     return Group(queues, workers)
+
+
+def _prefix_hit(worker: dict[str, Any]) -> str:
+    """Prompt tokens found in the worker's prefix cache, as a share ('off' without it)."""
+    if worker.get("prefix_cache") is False:
+        return "off"
+    rate = worker.get("prefix_cache_hit_rate")
+    return "-" if not isinstance(rate, int | float) else f"{100 * rate:.0f}%"

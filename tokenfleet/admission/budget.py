@@ -77,8 +77,8 @@ class NodeBudget:
         """Largest prompt + max_new_tokens one session could hold with the node otherwise empty."""
         return self.num_kv_blocks * self.layout.block_size
 
-    def new_block_manager(self) -> BlockManager:
-        return BlockManager(self.num_kv_blocks, self.layout.block_size)
+    def new_block_manager(self, *, prefix_cache: bool = False) -> BlockManager:
+        return BlockManager(self.num_kv_blocks, self.layout.block_size, prefix_cache=prefix_cache)
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,9 @@ class AdmissionRequest:
     prompt_tokens: int
     max_new_tokens: int
     scratch_bytes: int = 0
+    # content addresses of its leading full blocks: blocks the prefix cache holds
+    # under them are shared, not charged again (`BlockManager.cost`)
+    block_hashes: tuple[bytes, ...] = ()
 
     @property
     def kv_tokens(self) -> int:
@@ -116,7 +119,8 @@ class Admission:
     3. prompt + max_new > the whole KV pool (can never fit)        -> REJECTED_KV_BUDGET
     4. scratch > the per-session cap (<= the node's total, validated) -> REJECTED_SCRATCH_BUDGET
     5. nobody waits locally, an active slot is free, its KV can be
-       reserved and its scratch fits next to the active sessions'  -> ADMITTED
+       reserved (blocks it shares with the prefix cache are not charged
+       again) and its scratch fits next to the active sessions'    -> ADMITTED
     6. the local waiting list has a free slot                      -> QUEUED
     7. otherwise                                                   -> REJECTED_QUEUE_FULL
 
@@ -197,7 +201,7 @@ class Admission:
         """Whether `req` can start this moment: a free active slot, reservable KV, scratch."""
         return (
             active_count < self.budget.max_active
-            and kv.can_reserve(req.kv_tokens)
+            and kv.can_reserve(req.kv_tokens, req.block_hashes)
             and scratch_in_use + req.scratch_bytes <= self.budget.scratch_total_bytes
         )
 
@@ -230,9 +234,9 @@ class Admission:
             return f"{waiting_count:,} job(s) already waiting ahead"
         if active_count >= b.max_active:
             return f"all {b.max_active:,} active slots are taken"
-        if not kv.can_reserve(req.kv_tokens):
+        if not kv.can_reserve(req.kv_tokens, req.block_hashes):
             return (
-                f"needs {kv.blocks_for(req.kv_tokens):,} KV blocks but"
+                f"needs {kv.cost(req.kv_tokens, req.block_hashes):,} KV blocks but"
                 f" {kv.available_blocks:,} of {kv.num_blocks:,} are unreserved"
             )
         return (

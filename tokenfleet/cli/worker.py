@@ -48,6 +48,14 @@ def worker(
             "$TOKENFLEET_COMPILE, else only with --quant)",
         ),
     ] = None,
+    prefix_cache: Annotated[
+        bool | None,
+        typer.Option(
+            "--prefix-cache/--no-prefix-cache",
+            help="share full KV blocks between jobs with the same prefix (default: "
+            "$TOKENFLEET_PREFIX_CACHE, else on)",
+        ),
+    ] = None,
     kv_mb: Annotated[int, typer.Option("--kv-mb", help="KV cache budget, MiB")] = 256,
     max_batch: Annotated[int, typer.Option("--max-batch", help="decode sessions per tick")] = 32,
     max_active: Annotated[int, typer.Option("--max-active", help="sessions holding KV")] = 64,
@@ -101,12 +109,14 @@ def worker(
         level=logging.INFO if verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    conf = settings(redis_url, prefix)
     engine = EngineConfig(
         kv_budget_bytes=kv_mb * MiB,
         max_active=max_active,
         max_batch_size=max_batch,
         max_prefill_tokens_per_tick=prefill_tokens,
         max_waiting=max_waiting,
+        prefix_cache=conf.prefix_cache if prefix_cache is None else prefix_cache,
     )
     options = WorkerOptions(
         name=name or default_worker_name(),
@@ -118,7 +128,7 @@ def worker(
     )
     try:
         runner = build_worker(
-            settings(redis_url, prefix),
+            conf,
             checkpoint=model,
             device=device,
             dtype=dtype,

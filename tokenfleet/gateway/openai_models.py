@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from tokenfleet.protocol import (
+    MAX_CACHE_SALT_CHARS,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_METADATA_VALUE_CHARS,
@@ -75,6 +76,8 @@ class _GenerationParams(_Strict):
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    # share cached prefix KV only with requests of the same salt (vLLM's field)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     @field_validator("max_tokens")
     @classmethod
@@ -153,6 +156,7 @@ class _GenerationParams(_Strict):
             "stop": self.stop_list,
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
+            "cache_salt": self.cache_salt,
         }
 
 
@@ -296,10 +300,15 @@ class _Out(BaseModel):
     model_config = ConfigDict(frozen=True)
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
 class UsageOut(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(_Out):

@@ -24,6 +24,7 @@ from tokenfleet.gateway.openai_models import (
     ChatMessageOut,
     CompletionChoice,
     CompletionResponse,
+    PromptTokensDetails,
     UsageOut,
 )
 from tokenfleet.protocol import FinishEvent
@@ -46,6 +47,7 @@ def usage_of(finish: FinishEvent) -> UsageOut:
         prompt_tokens=u.prompt_tokens,
         completion_tokens=u.completion_tokens,
         total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
     )
 
 

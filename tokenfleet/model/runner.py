@@ -10,6 +10,8 @@ forward pass plus one batched sample:
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -46,6 +48,7 @@ class TorchRunner:
             max_context=cfg.max_position_embeddings,
             eos_token_ids=frozenset(eos) | frozenset(cfg.eos_token_ids),
             sampling_defaults=loaded.sampling_defaults,
+            cache_identity=_identity(loaded),
         )
         self.kv: KVPool | None = None
         self.sampler = Sampler()
@@ -108,3 +111,15 @@ class TorchRunner:
 
     def release(self, session_id: str) -> None:
         self._streams.pop(session_id, None)
+
+
+def _identity(loaded: LoadedModel) -> str:
+    """The model as far as its KV goes: architecture, weights (a digest of a few
+    parameters' values: same shapes, other weights, other cache), dtype, quantization."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(loaded.config).encode())
+    h.update(f"{loaded.dtype}|{loaded.quant}|{loaded.weight_bytes}".encode())
+    for _, tensor in itertools.islice(loaded.model.state_dict().items(), 4):
+        flat = tensor.detach().reshape(-1)[:256]
+        h.update(flat.to("cpu", torch.float32).numpy().tobytes())
+    return h.hexdigest()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
+from tokenfleet.kv.prefix import chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
@@ -40,6 +41,7 @@ from tokenfleet.worker.scheduler import (
 )
 from tokenfleet.worker.session import Finished, Session, terminal
 from tokenfleet.worker.telemetry import EngineStats
+from tokenfleet.worker.threads import ThreadGovernor
 
 if TYPE_CHECKING:
     from tokenfleet.model.build import LoadedModel
@@ -61,6 +63,7 @@ class EngineConfig:
     max_waiting: int = 4
     block_size: int = 16
     scratch_budget_bytes: int | None = None  # None: enough for max_active sessions' worst case
+    prefix_cache: bool = True  # share full KV blocks between jobs with the same prefix
 
     def budget(self, runner: ModelRunner) -> NodeBudget:
         layout = runner.spec.kv_layout(self.block_size)
@@ -99,6 +102,7 @@ class Engine:
         worker: str | None = None,
         clock: Callable[[], float] = time.time,
         fault: FaultHook | None = None,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         self.runner = _as_runner(model)
         self.spec = self.runner.spec
@@ -108,8 +112,9 @@ class Engine:
         self.worker = worker
         self.clock = clock
         self.fault = fault  # fault injection for tests: raise inside the forward of a session
+        self.threads = threads  # fits the CPU thread count to the free cores between ticks
         self.admission = Admission(self.budget)
-        self.blocks = self.budget.new_block_manager()
+        self.blocks = self.budget.new_block_manager(prefix_cache=self.config.prefix_cache)
         self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(self.budget.max_batch_size, self.budget.max_prefill_tokens_per_tick),
@@ -237,6 +242,8 @@ class Engine:
         out = StepOutput()
         plan = self.scheduler.schedule()
         if not plan.is_empty:
+            if self.threads is not None:
+                self.threads.poll()
             started = time.perf_counter()
             self._run_tick(plan, out)
             self.stats.record_tick(
@@ -348,15 +355,40 @@ class Engine:
             prompt_tokens=len(session.prompt_ids),
             max_new_tokens=session.max_new_tokens,
             scratch_bytes=session.scratch_bytes,
+            block_hashes=tuple(self._block_hashes(session)),
         )
+
+    def _hash_root(self, session: Session) -> bytes | None:
+        if not self.blocks.prefix_cache:
+            return None
+        return root_hash(self.spec.cache_identity, session.request.cache_salt)
+
+    def _block_hashes(self, session: Session) -> list[bytes]:
+        """Addresses of the full blocks before the last known token (prompt + emitted:
+        a resumed job looks up what it re-prefills), computed once per session."""
+        if session.block_hashes is None:
+            root = self._hash_root(session)
+            known = session.prompt_ids + session.emitted
+            size = self.budget.layout.block_size
+            session.block_hashes = (
+                [] if root is None else chain_hashes(known[: len(known) - 1], size, root)
+            )
+        return session.block_hashes
 
     def _start(self, session: Session, now: float) -> None:
         # The scheduler reads the session's emitted tokens (resumed ones included) from
         # the same list the session appends to: one record of the job's output.
         session.seq = Sequence(
-            session.job_id, session.prompt_ids, session.max_new_tokens, output_ids=session.emitted
+            session.job_id,
+            session.prompt_ids,
+            session.max_new_tokens,
+            output_ids=session.emitted,
+            hash_root=self._hash_root(session),
+            block_hashes=list(self._block_hashes(session)),
         )
         self.scheduler.add(session.seq)
+        known = len(session.prompt_ids) + len(session.emitted)
+        self.blocks.record_query(known, session.seq.num_cached)
         session.admitted_at = now
         self.sessions[session.job_id] = session
         self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)
@@ -419,7 +451,13 @@ class Engine:
 
     @property
     def kv_used_bytes(self) -> int:
-        return self.blocks.num_allocated_blocks * self.budget.layout.bytes_per_block
+        """KV held by sessions (a shared block once); cached-but-free blocks are not."""
+        return self.blocks.num_in_use_blocks * self.budget.layout.bytes_per_block
+
+    @property
+    def kv_cached_bytes(self) -> int:
+        """Free KV blocks that still hold a cached prefix (reclaimable)."""
+        return self.blocks.num_cached_blocks * self.budget.layout.bytes_per_block
 
     @property
     def max_job_tokens(self) -> int:
@@ -440,6 +478,13 @@ class Engine:
         )
         snap["weight_bytes"] = self.budget.weight_bytes
         snap["max_job_tokens"] = self.max_job_tokens
+        snap["prefix_cache"] = self.blocks.prefix_cache
+        if self.blocks.prefix_cache:
+            snap["kv_cached_bytes"] = self.kv_cached_bytes
+            snap["kv_cached_blocks"] = self.blocks.num_cached_blocks
+            snap.update(self.blocks.stats.as_fields())
+        if self.threads is not None:
+            snap.update(self.threads.telemetry())
         return snap
 
 

@@ -30,6 +30,7 @@ from tokenfleet.worker.engine import Engine, EngineConfig
 from tokenfleet.worker.loop import Worker, WorkerOptions
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.session import Session
+from tokenfleet.worker.threads import ThreadGovernor
 
 __all__ = ["InvalidBudget", "build_worker", "fault_on_metadata"]
 
@@ -76,7 +77,9 @@ def build_worker(
     engine        the node's budget knobs (default `EngineConfig()`)
     options       the loop's options: name, jobs stream (`model`), burst, drain, ...;
                   its heartbeat `info` gets the model, device, dtype and host added
-    threads       torch CPU threads (process-wide), set before the model loads
+    threads       torch CPU threads (process-wide), set before the model loads and kept;
+                  None: start at torch's default (one per core) and fit the count to the
+                  cores other processes leave free (`worker.threads.ThreadGovernor`)
     metrics_port  serve Prometheus metrics on this port from now on
     fault_key     tests only: fail the forward of jobs whose metadata has this key
 
@@ -105,8 +108,13 @@ def build_worker(
 
         compile_info = _compile_or_stay_eager(loaded.model, compile_, explicit)
     fault = fault_on_metadata(fault_key) if fault_key is not None else None
+    governor = None
+    if not threads and loaded.device.type == "cpu":
+        governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
     try:
-        core = Engine(loaded, engine or EngineConfig(), worker=options.name, fault=fault)
+        core = Engine(
+            loaded, engine or EngineConfig(), worker=options.name, fault=fault, threads=governor
+        )
     except ValueError as exc:
         raise InvalidBudget(f"invalid budget: {exc}") from exc
     served = options.model or "default"

@@ -36,7 +36,29 @@ class WorkerMetrics:
         self.kv_usage = gauge(
             "tokenfleet_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"
         )
+        self.kv_cached = gauge(
+            "tokenfleet_kv_cache_cached_perc",
+            "Fraction of KV blocks free but holding a cached prefix (reclaimable, 0-1)",
+        )
         self.batch_size = gauge("tokenfleet_batch_size", "Decode sessions in the last tick")
+        self.prefix_queries = Counter(
+            "tokenfleet_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission",
+            labels,
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "tokenfleet_prefix_cache_hits",
+            "Prompt tokens whose KV the prefix cache supplied",
+            labels,
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "tokenfleet_prefix_cache_evictions",
+            "Cached KV blocks reclaimed for new allocations",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "tokenfleet_prompt_tokens", "Prefill tokens computed", labels, registry=r
         )
@@ -83,6 +105,8 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        for counter in (self.prefix_queries, self.prefix_hits, self.prefix_evictions):
+            counter.labels(**self._labels)  # present from the first scrape, at 0
         for reason in FinishReason:
             self.finished.labels(**self._labels, finished_reason=str(reason))
         for admission in AdmissionReason:
@@ -90,6 +114,7 @@ class WorkerMetrics:
                 self.rejections.labels(**self._labels, reason=str(admission))
         self._last_token_at: dict[str, float] = {}
         self._rejected_seen: dict[str, int] = {}
+        self._prefix_seen = (0, 0, 0)  # queries, hits, evictions already counted
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -108,7 +133,15 @@ class WorkerMetrics:
         self.running.labels(**lab).set(len(engine.sessions))
         self.waiting.labels(**lab).set(len(engine.waiting))
         blocks = engine.blocks
-        self.kv_usage.labels(**lab).set(blocks.num_allocated_blocks / max(1, blocks.num_blocks))
+        self.kv_usage.labels(**lab).set(blocks.num_in_use_blocks / max(1, blocks.num_blocks))
+        self.kv_cached.labels(**lab).set(blocks.num_cached_blocks / max(1, blocks.num_blocks))
+        stats = blocks.stats
+        now_seen = (stats.queries_tokens, stats.hits_tokens, stats.evictions)
+        counters = (self.prefix_queries, self.prefix_hits, self.prefix_evictions)
+        for counter, new, old in zip(counters, now_seen, self._prefix_seen, strict=True):
+            if new > old:
+                counter.labels(**lab).inc(new - old)
+        self._prefix_seen = now_seen
         rejected = engine.telemetry().get("rejected_by_reason")
         if isinstance(rejected, dict):
             for reason, count in rejected.items():

@@ -117,6 +117,9 @@ class ModelSpec:
     max_context: int  # prompt + generated tokens one session may reach
     eos_token_ids: frozenset[int]
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # what makes this model's KV differ from another's with the same shapes (weights,
+    # dtype, quantization): the root of its prefix-cache addresses
+    cache_identity: str = ""
 
     def kv_layout(self, block_size: int) -> KVLayout:
         return KVLayout(

@@ -19,9 +19,13 @@ simply prefills prompt + outputs; its next sample continues at index len(output)
 Ownership: the scheduler owns positions (`num_computed`, the status) and a
 session's KV lifetime: `add` reserves prompt + max_new_tokens in the
 `BlockManager` (admission has checked it fits), `finish` frees it, and physical
-blocks are ensured in `schedule`. It never writes `output_ids`: that list is the
-session's record of its emitted tokens (`Session.emitted`, the same list), and
-the session alone decides when a job ends (stop token, stop string, length).
+blocks are ensured in `schedule`. With prefix caching, `add` starts a session at
+the end of its longest cached prefix (whole blocks, never the last known token:
+there must be logits to sample from), and `complete_tick` registers each block that
+a tick filled with computed KV, so later sessions can share it. It never writes
+`output_ids`: that list is the session's record of its emitted tokens
+(`Session.emitted`, the same list), and the session alone decides when a job ends
+(stop token, stop string, length).
 Each tick the engine appends the sampled tokens, ends the sessions that are
 done, then calls `complete_tick`.
 """
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from tokenfleet.kv import BlockManager
+from tokenfleet.kv.prefix import chain_hashes
 
 
 class SeqStatus(StrEnum):
@@ -50,6 +55,13 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)  # the session's, read-only here
     num_computed: int = 0
     status: SeqStatus = SeqStatus.WAITING
+    # Prefix caching: the chain's root (None: this session neither shares nor registers)
+    # and the content addresses of its full blocks, known ones first (those of the
+    # tokens before the last one at admission), extended as blocks fill.
+    hash_root: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks registered (or found) in the cache
+    num_cached: int = 0  # leading tokens whose KV the cache supplied at admission
 
     @property
     def num_tokens(self) -> int:
@@ -200,7 +212,9 @@ class Scheduler:
                 f"{seq.session_id!r}: needs a prompt and >= 1 token left to generate"
                 f" (prompt {len(seq.prompt_ids)}, {len(seq.output_ids)}/{seq.max_new_tokens} done)"
             )
-        self.blocks.reserve(seq.session_id, seq.max_kv_tokens)
+        cached = self.blocks.reserve(seq.session_id, seq.max_kv_tokens, seq.block_hashes)
+        seq.num_computed = seq.num_cached = cached
+        seq.num_registered = cached // self.blocks.block_size
         self._seqs[seq.session_id] = seq
         self._waiting.append(seq)
 
@@ -251,11 +265,13 @@ class Scheduler:
             if self._seqs.get(seq.session_id) is seq:
                 assert seq.num_tokens == step.context_len + 1, "decode token not appended"
                 seq.num_computed = step.context_len
+                self._register(seq)
         for chunk in plan.prefill:
             seq = chunk.seq
             if self._seqs.get(seq.session_id) is not seq:
                 continue
             seq.num_computed = chunk.context_len
+            self._register(seq)
             if not chunk.samples:
                 seq.status = SeqStatus.PREFILL
                 continue
@@ -263,6 +279,23 @@ class Scheduler:
             seq.status = SeqStatus.DECODE
             self._waiting.remove(seq)
             self._running.append(seq)
+
+    def _register(self, seq: Sequence) -> None:
+        """Offer the blocks the last tick filled to the prefix cache."""
+        if seq.hash_root is None or not self.blocks.prefix_cache:
+            return
+        size = self.blocks.block_size
+        full = seq.num_computed // size
+        if seq.num_registered >= full:
+            return
+        known = len(seq.block_hashes)
+        if known < full:
+            parent = seq.block_hashes[-1] if known else seq.hash_root
+            tokens = seq.all_ids[: full * size]
+            seq.block_hashes += chain_hashes(tokens, size, parent, start_block=known)
+        for index in range(seq.num_registered, full):
+            self.blocks.register(seq.session_id, index, seq.block_hashes[index])
+        seq.num_registered = full
 
     def discard_tick(self, plan: TickPlan) -> None:
         """Forget a plan whose forward pass failed: nothing advances, blocks stay ensured."""

@@ -89,6 +89,9 @@ class Session:
     events: list[TokenEvent] = field(default_factory=list)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    # content addresses of the full blocks of prompt + emitted tokens before the last
+    # one (prefix caching; computed once, when admission first looks)
+    block_hashes: list[bytes] | None = None
     _stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +142,12 @@ class Session:
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.submitted_at,
             total_s=now - self.submitted_at,
         )
-        usage = Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.emitted))
+        cached = 0 if self.seq is None else min(self.seq.num_cached, len(self.prompt_ids))
+        usage = Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.emitted),
+            cached_tokens=cached,
+        )
         return terminal(
             self.job_id,
             reason,
