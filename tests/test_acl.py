@@ -616,6 +616,35 @@ def test_the_gateway_serves_completions_under_the_gateway_role(
                         chunks.append(json.loads(line.removeprefix("data: ")))
             text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
             assert text == whole.json()["choices"][0]["text"]
+            # a batch, start to end: files, the batch state, the driver's lease and MGETs
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+            upload = http.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", json.dumps(line).encode() + b"\n")},
+                data={"purpose": "batch"},
+            )
+            assert upload.status_code == 200, upload.text
+            created = http.post(
+                "/v1/batches",
+                json={
+                    "input_file_id": upload.json()["id"],
+                    "endpoint": "/v1/completions",
+                    "completion_window": "24h",
+                },
+            )
+            assert created.status_code == 200, created.text
+            batch_id = created.json()["id"]
+
+            def batch_done() -> bool:
+                if acl.denials():
+                    raise AssertionError(f"refused: {acl.denials()}\n{log.read_text()}")
+                return http.get(f"/v1/batches/{batch_id}").json()["status"] == "completed"
+
+            wait_for(batch_done, 60, "the batch to complete under the gateway role")
+            output_id = http.get(f"/v1/batches/{batch_id}").json()["output_file_id"]
+            result = json.loads(http.get(f"/v1/files/{output_id}/content").text)
+            assert result["response"]["body"]["choices"][0]["text"] == text
+            assert http.delete(f"/v1/files/{upload.json()['id']}").json()["deleted"]
     finally:
         proc.terminate()
         proc.wait(timeout=30)

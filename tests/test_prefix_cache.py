@@ -131,6 +131,25 @@ def test_greedy_tokens_are_the_same_with_the_cache_on_and_off(
     assert_pool_whole(on_engine)
 
 
+def test_jobs_admitted_together_find_the_blocks_the_first_one_computed(
+    tiny: LoadedModel,
+) -> None:
+    """All admitted in one go, before any block is cached: each one looks the cache up
+    again just before its first prefill chunk, and finds what earlier ones computed in
+    the ticks since (48 prefill tokens a tick, a 4-block shared prefix)."""
+    prefix = [(11 * k) % 230 + 3 for k in range(4 * BLOCK)]
+    jobs = shared_prefix_jobs(6, prefix=prefix)
+    off = run_all(engine(tiny, prefix_cache=False), jobs)
+    eng = engine(tiny, prefix_cache=True)
+    on = run_all(eng, jobs)  # all submitted before the first step
+    assert on == off
+    stats = eng.blocks.stats
+    assert stats.queries_tokens == sum(len(j.prompt_ids or []) for j in jobs)
+    # jobs 1 and 2 start in tick 2, when job 0 has 3 blocks computed; 3-5 later, with 4
+    assert stats.hits_blocks == 3 + 3 + 4 * 3
+    assert_pool_whole(eng)
+
+
 def test_a_prompt_that_is_all_cached_still_computes_its_last_token(tiny: LoadedModel) -> None:
     """Two identical prompts of exactly two blocks: the second reuses only the first
     block (the last token must be computed for logits) and samples the same tokens."""
@@ -250,7 +269,9 @@ TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=70)  # few distinct id
 @given(
     ops=st.lists(
         st.tuples(
-            st.sampled_from(["admit", "append", "finish", "cancel"]), TOKENS, st.integers(1, 40)
+            st.sampled_from(["admit", "lookup", "append", "finish", "cancel"]),
+            TOKENS,
+            st.integers(1, 40),
         ),
         min_size=1,
         max_size=60,
@@ -297,6 +318,17 @@ def test_random_interleavings_keep_refcounts_and_bytes(
                 for index, address in enumerate(chain_hashes(toks[: full * size], size, root)):
                     blocks.register(sid, index, address)
                 live[sid] = (toks, computed, total)
+            elif op == "lookup":  # again, before its prefill: what others registered since
+                table, committed = blocks.block_table(sid), blocks.num_reserved_blocks
+                appended = blocks.used_tokens(sid) > blocks.cached_tokens(sid)
+                got = blocks.extend_prefix(sid, chain_hashes(toks[:-1], size, root))
+                assert got % size == 0 and got < len(toks)
+                assert blocks.num_reserved_blocks <= committed  # never commits more
+                now = blocks.block_table(sid)
+                assert now[: len(table)] == table
+                if appended:  # it has blocks of its own: too late to adopt any
+                    assert now == table
+                live[sid] = (toks, max(computed, got), total)
             elif op in ("finish", "cancel"):
                 blocks.free(sid)
                 del live[sid]

@@ -115,9 +115,28 @@ GATEWAY = Role(
         **_FOLLOW,
         "unsubscribe": "the shared subscriber drops the channels of finished requests",
         "client|setname": "names its connections on connect (CLIENT LIST); refused = no connection",
-        "hgetall": "worker hashes for /v1/models and /health",
+        "hgetall": "worker hashes for /v1/models and /health; a batch's results",
+        "mget": "the batch driver: the results of a batch's jobs, in one call",
+        "zrevrange": "/v1/files: newest files first",
+        "zrevrangebyscore": "/v1/batches: newest batches first, paginated",
+        "zscore": "/v1/batches?after=: where the page starts",
+        "multi": "files and batches are written in one transaction (MULTI ... EXEC)",
+        "exec": "files and batches are written in one transaction (MULTI ... EXEC)",
     },
-    _SUBMIT_WRITES,
+    (
+        *_SUBMIT_WRITES,
+        Scope(
+            ("file:*", "files", "batch:*", "batches"),
+            {
+                "set": "/v1/files: a file's bytes; the batch driver's lease (SET NX PX)",
+                "hset": "a file's or batch's object; a batch's results as lines end",
+                "zadd": "the lists of files and batches",
+                "zrem": "DELETE /v1/files/ID",
+                "del": "DELETE /v1/files/ID; a finished batch's results and lease",
+                "pexpire": "the batch driver renews its lease",
+            },
+        ),
+    ),
 )
 
 # The worker's start-up check (lua/probe.lua) runs every command it needs on throwaway

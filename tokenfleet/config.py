@@ -43,6 +43,13 @@ class Settings(BaseSettings):
         default=30.0, ge=0, description="seconds a job may wait for a worker; 0 = forever"
     )
     gateway_max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    gateway_batch_max_in_flight: int = Field(default=64, ge=1, description="jobs per batch out")
+    gateway_batch_lease_s: float = Field(
+        default=15.0, gt=0, description="a batch whose gateway died is resumed after this"
+    )
+    gateway_max_file_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1, description="one /v1/files upload (stored in Redis)"
+    )
     gateway_redis_connections: int = Field(default=64, ge=2, description="command pool size")
     gateway_pubsub_connections: int = Field(default=2, ge=1)
     gateway_keepalive: float = Field(default=15.0, gt=0, description="SSE keep-alive, seconds")

@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from tokenfleet.cli import admin, fleet, gateway, jobs, worker
+from tokenfleet.cli import admin, batch, fleet, gateway, jobs, worker
 
 __all__ = ["app", "main"]
 
@@ -39,6 +39,7 @@ app.command(
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
 )(admin.bench)
 app.command("acl")(admin.acl)
+app.add_typer(batch.app, name="batch")
 
 
 def main() -> None:

@@ -9,6 +9,8 @@ is the reference for clients.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,6 +35,11 @@ CLIENT_NAME = "tokenfleet-gateway"  # the command connections, in CLIENT LIST
 
 def create_app(settings: GatewayConfig | Settings) -> FastAPI:
     """The gateway's FastAPI app. Redis is connected on startup, closed on shutdown."""
+    # here, not at the top: tokenfleet.batch uses this package's models and errors
+    from tokenfleet.batch.driver import BatchDriver, DriverConfig
+    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.gateway.batches import router as batches_router
+
     config = (
         settings if isinstance(settings, GatewayConfig) else GatewayConfig.from_settings(settings)
     )
@@ -52,6 +59,24 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         subscriber = Subscriber(pool, shards=config.pubsub_connections)
         subscriber.start()
         gw = Gateway(config, client, metrics, subscriber)
+        app.state.batch_store = BatchStore(
+            client,
+            gw.keys,
+            max_file_bytes=config.max_file_bytes,
+            lease_ms=int(config.batch_lease_s * 1000),
+        )
+        driver_task = None
+        if config.batches:
+            driver = BatchDriver(
+                app.state.batch_store,
+                gw.producer,
+                DriverConfig(
+                    max_in_flight=config.batch_max_in_flight,
+                    queue_share=config.batch_queue_share,
+                    chat_max_tokens=config.default_max_tokens,
+                ),
+            )
+            driver_task = asyncio.create_task(driver.run())
         metrics.watch("live_streams", lambda: subscriber.watched)
         metrics.watch("pubsub_connections", lambda: subscriber.connected)
         metrics.watch("pubsub_reconnects", lambda: subscriber.reconnects)
@@ -60,6 +85,10 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         try:
             yield
         finally:
+            if driver_task is not None:
+                driver_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await driver_task
             await gw.canceller.aclose()
             await subscriber.aclose()
             await client.aclose()
@@ -92,7 +121,13 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
-    app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes, metrics=metrics)
+    upload_limit = max(config.max_body_bytes, config.max_file_bytes + 64 * 1024)  # + form
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=config.max_body_bytes,
+        metrics=metrics,
+        per_path={"/v1/files": upload_limit},
+    )
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts the 413s too
     authed = [Depends(require_key)]
 
@@ -159,6 +194,8 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
                 },
             }
         )
+
+    app.include_router(batches_router(lambda request: request.app.state.batch_store, authed))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

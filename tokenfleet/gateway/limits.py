@@ -28,16 +28,25 @@ class BodyTooLarge(ApiError):
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, max_bytes: int, metrics: GatewayMetrics) -> None:
+    """`max_bytes` per body; `per_path` raises it for some paths (file uploads)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        metrics: GatewayMetrics,
+        per_path: dict[str, int] | None = None,
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.metrics = metrics
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.max_bytes
+        limit = self.per_path.get(scope.get("path", ""), self.max_bytes)
         for name, value in scope["headers"]:
             if name == b"content-length":
                 try:

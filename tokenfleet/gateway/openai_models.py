@@ -24,6 +24,7 @@ from pydantic import (
     model_serializer,
 )
 
+from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.protocol import (
     MAX_CACHE_SALT_CHARS,
     MAX_MESSAGE_CHARS,
@@ -37,6 +38,7 @@ from tokenfleet.protocol import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
+    GenerationRequest,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -291,6 +293,30 @@ class ChatCompletionRequest(_GenerationParams):
 
     def prompt_fields(self) -> dict[str, Any]:
         return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+
+
+def job_from_openai(
+    parsed: CompletionRequest | ChatCompletionRequest,
+    *,
+    job_id: str,
+    max_tokens: int,
+    sampling_defaults: Mapping[str, Any] | None = None,
+    metadata: dict[str, Any] | None = None,
+    deadline: float | None = None,
+    queue_deadline: float | None = None,
+) -> GenerationRequest:
+    """The fleet job for an OpenAI request (the gateway's and a batch line's). Raises
+    pydantic's ValidationError where the job's own limits refuse it."""
+    fields = {
+        **parsed.prompt_fields(),
+        **parsed.fleet_fields(max_tokens, sampling_defaults),
+        "job_id": job_id,
+        "model": None if parsed.model == DEFAULT_MODEL else parsed.model,
+        "deadline": deadline,
+        "queue_deadline": queue_deadline,
+        "metadata": metadata or {},
+    }
+    return GenerationRequest.model_validate(fields)
 
 
 # ---- responses ----------------------------------------------------------------------

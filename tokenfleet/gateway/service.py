@@ -51,6 +51,7 @@ from tokenfleet.gateway.openai_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    job_from_openai,
 )
 from tokenfleet.gateway.render import DONE, KEEPALIVE, Renderer
 from tokenfleet.gateway.subscriber import Subscriber
@@ -91,6 +92,11 @@ class GatewayConfig:
     pubsub_connections: int = 2  # every stream's events, multiplexed over these
     redis_outage_s: float = 60.0  # a stream outlives a Redis outage this long
     cancel_retry_s: float = 300.0  # a cancel that failed on Redis is retried this long
+    max_file_bytes: int = 32 * 1024 * 1024  # one /v1/files upload, kept in Redis
+    batches: bool = True  # drive /v1/batches from this gateway (any replica may)
+    batch_max_in_flight: int = 64  # jobs one batch has out at once
+    batch_queue_share: float = 0.5  # a batch submits only while its queue is under this share
+    batch_lease_s: float = 15.0  # a batch whose gateway died is picked up after this long
 
     def __post_init__(self) -> None:
         if any(not key for key in self.api_keys):
@@ -109,6 +115,10 @@ class GatewayConfig:
             raise ValueError("max_body_bytes must be ≥ 1024")
         if self.redis_connections < 2 or self.pubsub_connections < 1:
             raise ValueError("redis_connections must be ≥ 2 and pubsub_connections ≥ 1")
+        if self.max_file_bytes < 1 or self.batch_max_in_flight < 1:
+            raise ValueError("max_file_bytes and batch_max_in_flight must be ≥ 1")
+        if not 0 < self.batch_queue_share <= 1:
+            raise ValueError("batch_queue_share must be in (0, 1]")
         if self.redis_wait_s <= 0 or self.redis_outage_s < 0 or self.cancel_retry_s < 0:
             raise ValueError("redis_wait_s must be > 0, redis_outage_s and cancel_retry_s ≥ 0")
 
@@ -123,6 +133,9 @@ class GatewayConfig:
             redis_connections=settings.gateway_redis_connections,
             pubsub_connections=settings.gateway_pubsub_connections,
             keepalive_s=settings.gateway_keepalive,
+            max_file_bytes=settings.gateway_max_file_bytes,
+            batch_max_in_flight=settings.gateway_batch_max_in_flight,
+            batch_lease_s=settings.gateway_batch_lease_s,
         )
         return replace(base, **overrides)
 
@@ -298,17 +311,16 @@ class Gateway:
             deadline = now + self.config.job_timeout_s
         if self.config.queue_timeout_s is not None:  # a job deadline before it still
             queue_deadline = now + self.config.queue_timeout_s  # ends it as `deadline`
-        fields = {
-            **parsed.prompt_fields(),
-            **parsed.fleet_fields(max_tokens, served.sampling_defaults if served else None),
-            "job_id": uuid.uuid4().hex,
-            "model": None if parsed.model == DEFAULT_MODEL else parsed.model,
-            "deadline": deadline,
-            "queue_deadline": queue_deadline,
-            "metadata": metadata,
-        }
         try:
-            return GenerationRequest.model_validate(fields)
+            return job_from_openai(
+                parsed,
+                job_id=uuid.uuid4().hex,
+                max_tokens=max_tokens,
+                sampling_defaults=served.sampling_defaults if served else None,
+                metadata=metadata,
+                deadline=deadline,
+                queue_deadline=queue_deadline,
+            )
         except ValidationError as exc:  # the OpenAI models check the same limits first
             raise from_validation(exc) from None
 

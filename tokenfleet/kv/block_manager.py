@@ -204,17 +204,41 @@ class BlockManager:
         session = _Session(self.blocks_for(num_tokens) - len(hits), hits, cached, cached)
         self._sessions[session_id] = session
         self._unallocated += session.unallocated
-        if self.prefix_cache:
-            self.stats.queries_blocks += len(hashes)
-            self.stats.hits_blocks += len(hits)
         self._check()
         return cached
 
-    def record_query(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Count one admitted prompt's lookup, in tokens (the engine knows the prompt)."""
+    def extend_prefix(self, session_id: str, hashes: Sequence[bytes]) -> int:
+        """Take blocks registered since the session's reservation: a session that has
+        not allocated a block of its own yet (its prefill has not started) adopts the
+        longest cached prefix of `hashes` as it is now. Each block found replaces one of
+        its reserved blocks, so nothing new is committed (a block another session holds
+        even frees one). Returns the tokens its cached prefix covers."""
+        session = self._get(session_id)
+        have = len(session.table)
+        if session.cached_tokens != have * self.block_size:
+            return session.cached_tokens  # it allocated blocks of its own: too late
+        hits = self.match(hashes)
+        more = hits[have : have + session.unallocated]
+        if hits[:have] != session.table or not more:
+            return session.cached_tokens
+        for block in more:
+            self._ref(block)
+        session.table.extend(more)
+        session.unallocated -= len(more)
+        self._unallocated -= len(more)
+        session.cached_tokens = session.used_tokens = len(session.table) * self.block_size
+        self._check()
+        return session.cached_tokens
+
+    def record_query(
+        self, known_tokens: int, cached_tokens: int, queried_blocks: int, hit_blocks: int
+    ) -> None:
+        """Count one session's lookup, once its prefill starts (what it found is final)."""
         if self.prefix_cache:
-            self.stats.queries_tokens += prompt_tokens
+            self.stats.queries_tokens += known_tokens
             self.stats.hits_tokens += cached_tokens
+            self.stats.queries_blocks += queried_blocks
+            self.stats.hits_blocks += hit_blocks
 
     def ensure(self, session_id: str, total_tokens: int) -> list[int]:
         """Grow the session's table to cover `total_tokens` slots; return a copy of it.

@@ -387,8 +387,6 @@ class Engine:
             block_hashes=list(self._block_hashes(session)),
         )
         self.scheduler.add(session.seq)
-        known = len(session.prompt_ids) + len(session.emitted)
-        self.blocks.record_query(known, session.seq.num_cached)
         session.admitted_at = now
         self.sessions[session.job_id] = session
         self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)

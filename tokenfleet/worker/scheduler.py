@@ -61,7 +61,8 @@ class Sequence:
     hash_root: bytes | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered: int = 0  # leading blocks registered (or found) in the cache
-    num_cached: int = 0  # leading tokens whose KV the cache supplied at admission
+    num_cached: int = 0  # leading tokens whose KV the cache supplied
+    looked_up: bool = False  # its lookup is counted in the cache's stats
 
     @property
     def num_tokens(self) -> int:
@@ -238,6 +239,8 @@ class Scheduler:
         for seq in self._waiting:
             if budget == 0:
                 break
+            if seq.status is SeqStatus.WAITING and seq.num_computed == seq.num_cached:
+                self._look_up(seq)
             length = min(seq.prefill_remaining, budget)
             start = seq.num_computed
             table = self.blocks.ensure(seq.session_id, start + length)
@@ -279,6 +282,21 @@ class Scheduler:
             seq.status = SeqStatus.DECODE
             self._waiting.remove(seq)
             self._running.append(seq)
+
+    def _look_up(self, seq: Sequence) -> None:
+        """Just before a session's first prefill chunk: adopt what the cache holds of its
+        prefix now (sessions admitted together find the blocks the first of them
+        computed in the ticks since), and count the lookup once."""
+        if seq.hash_root is None or not self.blocks.prefix_cache:
+            return
+        size = self.blocks.block_size
+        cached = self.blocks.extend_prefix(seq.session_id, seq.block_hashes)
+        seq.num_computed = seq.num_cached = cached
+        seq.num_registered = max(seq.num_registered, cached // size)
+        if not seq.looked_up:
+            seq.looked_up = True
+            queried = len(seq.block_hashes)
+            self.blocks.record_query(seq.num_tokens, cached, queried, cached // size)
 
     def _register(self, seq: Sequence) -> None:
         """Offer the blocks the last tick filled to the prefix cache."""

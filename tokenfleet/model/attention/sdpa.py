@@ -4,6 +4,12 @@ Decode rows (one new token each) share ONE padded `scaled_dot_product_attention`
 call; each prefill chunk is attended on its own with a causal mask shifted by its
 start position. Attention only ever reads slots from a sequence's own block table:
 padding keys point at the row's own last real slot and are masked out.
+
+Decode rows whose block tables start with the same blocks (a prefix shared through the
+prefix cache) read those blocks once: the shared keys are gathered once for all rows,
+each row's own keys after them separately, and one softmax runs over both score sets
+(exact: the same scores, concatenated). Without this, 64 rows sharing a 512-token
+prompt gathered that prompt 64 times per layer per tick.
 """
 
 from __future__ import annotations
@@ -16,13 +22,16 @@ from torch import Tensor
 
 from tokenfleet.model.batch import BatchPlan, DecodeGroup, PrefillSpan
 
+MIN_SHARED_BLOCKS = 2  # a shorter common prefix is not worth a second code path
+
 
 @dataclass(frozen=True)
 class _Decode:
     rows: Tensor  # [B]
-    slots: Tensor  # [B * Lmax] flat context slots, row-major
-    mask: Tensor  # [B, 1, 1, Lmax] True where the key is part of the row's context
+    slots: Tensor  # [B * L] flat context slots after the shared prefix, row-major
+    mask: Tensor  # [B, 1, 1, L] True where the key is part of the row's context
     is_all_rows: bool
+    shared: Tensor | None = None  # [P] slots of the prefix every row shares (whole blocks)
 
 
 @dataclass(frozen=True)
@@ -44,15 +53,31 @@ def _slots(table: Tensor, positions: Tensor, block_size: int) -> Tensor:
     return table.long()[positions // block_size] * block_size + positions % block_size
 
 
+def _shared_blocks(tables: Tensor, lens: Tensor, block_size: int) -> int:
+    """Leading blocks every row's table holds, each full of context before every row's
+    last token (so each row keeps at least its own newest key)."""
+    if tables.shape[0] < 2 or tables.shape[1] < MIN_SHARED_BLOCKS:
+        return 0
+    same = (tables == tables[:1]).all(0)  # [W]
+    ends = (torch.arange(tables.shape[1], device=tables.device) + 1) * block_size
+    full = ends <= lens.min() - 1
+    n = int((same & full).long().cumprod(0).sum())
+    return n if n >= MIN_SHARED_BLOCKS else 0
+
+
 def _prepare_decode(group: DecodeGroup, block_size: int) -> _Decode:
     device = group.block_tables.device
-    lens = group.context_lens.long()[:, None]  # [B, 1]
-    keys = torch.arange(group.max_context, device=device)[None, :]  # [1, Lmax]
-    pos = torch.minimum(keys, lens - 1)  # [B, Lmax]; padding repeats the last real slot
     tables = group.block_tables.long()
+    lens = group.context_lens.long()[:, None]  # [B, 1]
+    start = _shared_blocks(tables, lens, block_size) * block_size
+    shared = None
+    if start:
+        shared = _slots(tables[0], torch.arange(start, device=device), block_size)
+    keys = torch.arange(start, group.max_context, device=device)[None, :]  # [1, L]
+    pos = torch.minimum(keys, lens - 1)  # [B, L]; padding repeats the last real slot
     slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
     mask = (keys < lens)[:, None, None, :]
-    return _Decode(group.rows, slots.flatten(), mask, group.is_all_rows)
+    return _Decode(group.rows, slots.flatten(), mask, group.is_all_rows, shared)
 
 
 def _prepare_prefill(span: PrefillSpan, block_size: int) -> _Prefill:
@@ -91,6 +116,8 @@ class SdpaBackend:
 
 def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, d: _Decode) -> Tensor:
     """q: [B, H, hd] (one query per sequence) -> [B, H, hd]."""
+    if d.shared is not None:
+        return _decode_attention_shared(q, k_cache, v_cache, d, d.shared)
     b, h, hd = q.shape
     kvh = k_cache.shape[1]
     # index_select on the flat slot list: on CPU about 15x faster than k_cache[slots]
@@ -102,6 +129,28 @@ def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, d: _Decode) -
     # independent in attention, so this is exact.
     q_grouped = q.view(b, kvh, h // kvh, hd)  # [B, KVH, G, hd]
     out = F.scaled_dot_product_attention(q_grouped, keys, values, attn_mask=d.mask)
+    return out.reshape(b, h, hd)
+
+
+def _decode_attention_shared(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, d: _Decode, shared: Tensor
+) -> Tensor:
+    """`_decode_attention` for rows that share their first P keys: those are gathered
+    once ([P, KVH, hd]) and scored against every row's query in one matmul."""
+    b, h, hd = q.shape
+    kvh = k_cache.shape[1]
+    q_grouped = q.view(b, kvh, h // kvh, hd) * hd**-0.5  # [B, KVH, G, hd]
+    k_shared = k_cache.index_select(0, shared)  # [P, KVH, hd]
+    v_shared = v_cache.index_select(0, shared)
+    k_own = k_cache.index_select(0, d.slots).view(b, -1, kvh, hd)  # [B, L, KVH, hd]
+    v_own = v_cache.index_select(0, d.slots).view(b, -1, kvh, hd)
+    scores_shared = torch.einsum("bkgd,pkd->bkgp", q_grouped, k_shared)  # [B, KVH, G, P]
+    scores_own = torch.einsum("bkgd,blkd->bkgl", q_grouped, k_own)  # [B, KVH, G, L]
+    scores_own = scores_own.masked_fill(~d.mask, float("-inf"))
+    probs = torch.cat([scores_shared, scores_own], dim=-1).float().softmax(-1).to(q.dtype)
+    p = shared.shape[0]
+    out = torch.einsum("bkgp,pkd->bkgd", probs[..., :p], v_shared)
+    out = out + torch.einsum("bkgl,blkd->bkgd", probs[..., p:], v_own)
     return out.reshape(b, h, hd)
 
 

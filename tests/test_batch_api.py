@@ -1,0 +1,284 @@
+"""OpenAI's Batch API on the gateway (issue 14, part 1), driven by the official `openai`
+client against a real redis-server and real worker processes: files.create,
+batches.create, polling, files.content; an unusable file fails the batch; cancel;
+backpressure from a small queue cap; and a gateway killed mid-batch (SIGKILL, a real
+`tokenfleet gateway` process) whose batch another gateway finishes, every line run once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+from gateway_support import GatewayEnv, ServedGateway, fleet_on
+from support import RedisServer, free_port, wait_for
+
+from tokenfleet.gateway import GatewayConfig
+from tokenfleet.keys import Keys
+from tokenfleet.producer import Producer
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = Keys()
+
+
+@pytest.fixture(scope="module")
+def env(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayEnv]:
+    """One worker for the module. Its gateway drives no batches: each test runs the
+    gateway (or gateways) whose driver it is about, so no other replica takes its batch."""
+    tmp = tmp_path_factory.mktemp("batch")
+    with fleet_on(redis_server.url, tmp) as (r, fleet):
+        worker = fleet.start("batch-w", "--max-active", "8", burst=False)
+        fleet.wait_alive(worker, timeout=60)
+        gateway = driving(redis_server.url, batches=False)
+        try:
+            yield GatewayEnv(r, gateway, fleet)
+        finally:
+            gateway.stop()
+
+
+def driving(url: str, **config: Any) -> ServedGateway:
+    return ServedGateway(GatewayConfig(redis_url=url, fleet_cache_s=0.0, **config))
+
+
+@pytest.fixture
+def driver(redis_server: RedisServer) -> Iterator[ServedGateway]:
+    """A gateway that drives batches (the default settings)."""
+    gateway = driving(redis_server.url)
+    yield gateway
+    gateway.stop()
+
+
+def chat_line(custom_id: str, text: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def wait_status(
+    client: openai.OpenAI, batch_id: str, statuses: set[str], timeout: float = 90
+) -> Any:
+    seen: list[Any] = []
+
+    def reached() -> bool:
+        seen.append(client.batches.retrieve(batch_id))
+        return seen[-1].status in statuses
+
+    wait_for(reached, timeout, f"batch {batch_id} to be {statuses}")
+    return seen[-1]
+
+
+def job_hashes(r: redis.Redis, batch_id: str) -> list[bytes]:
+    """The state hashes of the batch's jobs (`job:BATCH-N`), one per submitted line."""
+    return [k for k in r.scan_iter(f"{KEYS.prefix}job:{batch_id}-*") if k.count(b":") == 2]
+
+
+def lines_of(client: openai.OpenAI, file_id: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_runs_end_to_end_with_the_openai_client(
+    env: GatewayEnv, driver: ServedGateway
+) -> None:
+    client = driver.client()
+    requests = [chat_line(f"q{i}", f"question number {i}", 4 + i) for i in range(5)]
+    requests.insert(2, chat_line("bad", "two answers", 5, n=2))  # a body the fleet refuses
+    upload = client.files.create(file=("in.jsonl", jsonl(requests)), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes == len(jsonl(requests))
+    batch = client.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"run": "e2e"},
+    )
+    assert batch.status == "validating" and batch.metadata == {"run": "e2e"}
+    done = wait_status(client, batch.id, {"completed", "failed"})
+    assert done.status == "completed", done.errors
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (6, 5, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    assert done.output_file_id and done.error_file_id
+
+    out = lines_of(client, done.output_file_id)
+    assert [line["custom_id"] for line in out] == [f"q{i}" for i in range(5)]  # line order
+    for i, line in enumerate(out):
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 4 + i
+        # the same request answered directly: greedy, so the same text
+        asked = dict(requests[i if i < 2 else i + 1]["body"])
+        extra = {"ignore_eos": asked.pop("ignore_eos")}  # an extension: the client's extra_body
+        direct = client.chat.completions.create(**asked, extra_body=extra)
+        assert body["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    errors = lines_of(client, done.error_file_id)
+    assert [e["custom_id"] for e in errors] == ["bad"]
+    assert (
+        errors[0]["error"]["code"] == "invalid_request" and "n=2" in errors[0]["error"]["message"]
+    )
+
+    assert batch.id in [b.id for b in client.batches.list(limit=100).data]
+    assert client.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(upload.id)
+
+
+def test_an_unusable_file_fails_the_batch_naming_its_lines(
+    env: GatewayEnv, driver: ServedGateway
+) -> None:
+    client = driver.client()
+    data = jsonl([chat_line("same", "a", 2), chat_line("same", "b", 2)]) + b"{not json\n"
+    upload = client.files.create(file=("bad.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    failed = wait_status(client, batch.id, {"failed", "completed"})
+    assert failed.status == "failed"
+    problems = [(e.code, e.line) for e in failed.errors.data]
+    assert problems == [("duplicate_custom_id", 2), ("invalid_json_line", 3)]
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="1h"
+        )
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file_nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+
+def test_cancel_stops_submitting_and_ends_cancelled(
+    env: GatewayEnv, redis_server: RedisServer
+) -> None:
+    """A gateway whose batches keep 2 jobs out: cancelled after its first results, the
+    batch ends `cancelled` with the lines that ran in its output and the rest never
+    submitted."""
+    gateway = driving(redis_server.url, batch_max_in_flight=2)
+    try:
+        client = gateway.client()
+        requests = [chat_line(f"c{i}", f"long answer {i}", 60) for i in range(40)]
+        upload = client.files.create(file=("c.jsonl", jsonl(requests)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1,
+            60,
+            "a first line done",
+        )
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        ended = wait_status(client, batch.id, {"cancelled"})
+        out = lines_of(client, ended.output_file_id)
+        submitted = len(job_hashes(env.r, batch.id))
+        assert 1 <= len(out) == submitted < len(requests)
+        with pytest.raises(openai.ConflictError):
+            client.batches.cancel(batch.id)
+    finally:
+        gateway.stop()
+
+
+def test_a_small_queue_is_backpressure_not_failures(env: GatewayEnv, driver: ServedGateway) -> None:
+    """With a queue cap of 3 every line still completes: the driver submits while the
+    queue is under half its cap and waits otherwise (a QueueFull is never a failed line)."""
+    producer = Producer(env.r)
+    producer.set_queue_cap(3)
+    try:
+        client = driver.client()
+        requests = [chat_line(f"b{i}", f"item {i}", 8) for i in range(16)]
+        upload = client.files.create(file=("b.jsonl", jsonl(requests)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = wait_status(client, batch.id, {"completed", "failed"})
+        assert (done.request_counts.completed, done.request_counts.failed) == (16, 0)
+    finally:
+        producer.set_queue_cap(1000)
+
+
+def _gateway_process(url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "tokenfleet.cli", "gateway", "--redis-url", url]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    environ = {
+        **os.environ,
+        "TOKENFLEET_GATEWAY_BATCH_LEASE_S": "2",
+        "TOKENFLEET_GATEWAY_BATCH_MAX_IN_FLIGHT": "2",
+    }
+    with log.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ)
+
+
+def _client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_a_gateway_killed_mid_batch_is_finished_by_another_each_line_once(
+    env: GatewayEnv, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    r = redis.Redis.from_url(redis_server.url)
+    log = tmp_path / "gateways.log"
+    first_port, second_port = free_port(), free_port()
+    first = _gateway_process(redis_server.url, first_port, log)
+    second = None
+    try:
+        wait_for(lambda: _healthy(first_port), 60, "the first gateway")
+        client = _client(first_port)
+        requests = [chat_line(f"k{i}", f"kill test {i}", 40) for i in range(16)]
+        upload = client.files.create(file=("k.jsonl", jsonl(requests)), purpose="batch")
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
+            60,
+            "two lines done",
+        )
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=10)
+        second = _gateway_process(redis_server.url, second_port, log)
+        wait_for(lambda: _healthy(second_port), 60, "the second gateway")
+        done = wait_status(_client(second_port), batch.id, {"completed", "failed"}, timeout=120)
+        assert done.status == "completed", log.read_text()[-2000:]
+        assert (done.request_counts.completed, done.request_counts.failed) == (16, 0)
+        out = lines_of(_client(second_port), done.output_file_id)
+        assert [line["custom_id"] for line in out] == [f"k{i}" for i in range(16)]
+        # one job per line, under the line's own id: a line submitted again after the kill
+        # was the fleet's duplicate (refused by the submit script), never a second job
+        assert len(job_hashes(r, batch.id)) == 16
+        assert [line["response"]["request_id"] for line in out] == [
+            f"{batch.id}-{i}" for i in range(16)
+        ]
+        for line in out:
+            assert line["response"]["body"]["usage"]["completion_tokens"] == 40
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                proc.wait(timeout=30)
+        r.close()

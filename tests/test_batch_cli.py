@@ -1,0 +1,97 @@
+"""`tokenfleet batch run` from the shell (issue 14): a batch file straight through a
+producer to a real worker; Ctrl-C (a real SIGINT to the process) stops it, and the
+same command again finishes it with every line in the output exactly once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+from fleet import Fleet
+from support import wait_for
+
+from tokenfleet.keys import Keys
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_requests(path: Path, n: int, max_tokens: int) -> None:
+    lines = []
+    for i in range(n):
+        body = {
+            "model": "default",
+            "prompt": f"item {i}",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        lines.append(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
+        )
+    lines.append(
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "default", "prompt": "x", "logprobs": 2},
+        }
+    )
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def batch_run(redis_url: str, source: Path, out: Path) -> subprocess.Popen[bytes]:
+    args = [sys.executable, "-m", "tokenfleet.cli", "batch", "run", str(source), "-o", str(out)]
+    args += ["--max-in-flight", "2", "--quiet", "--redis-url", redis_url]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def output_lines(out: Path) -> list[dict[str, object]]:
+    if not out.exists():
+        return []
+    return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+
+def test_batch_run_stops_on_ctrl_c_and_resumes_each_line_once(
+    fleet: Fleet, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    worker = fleet.start("batch-cli-w", burst=False)
+    fleet.wait_alive(worker)
+    source, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    write_requests(source, 12, 40)
+
+    first = batch_run(redis_url, source, out)
+    wait_for(lambda: len(output_lines(out)) >= 2, 60, "two results written")
+    first.send_signal(signal.SIGINT)
+    _, err = first.communicate(timeout=30)
+    assert first.returncode == 130, err.decode()
+    assert b"run the same command again to resume" in err
+    partial = output_lines(out)
+    assert 2 <= len(partial) < 13
+
+    second = batch_run(redis_url, source, out)
+    stdout, err = second.communicate(timeout=120)
+    assert second.returncode == 1, err.decode()  # one line failed: exit 1, said so
+    assert b"12 done, 1 failed of 13" in stdout
+
+    lines = output_lines(out)
+    assert lines[: len(partial)] == partial  # appended, never rewritten
+    ids = [line["custom_id"] for line in lines]
+    assert sorted(ids) == sorted([f"r{i}" for i in range(12)] + ["bad"])  # each once
+    for line in lines:
+        if line["custom_id"] == "bad":
+            assert line["error"]["code"] == "invalid_request"  # type: ignore[index]
+            continue
+        body = line["response"]["body"]  # type: ignore[index]
+        assert body["usage"]["completion_tokens"] == 40
+    # one job per line under its own id; the second run's resubmissions were duplicates
+    keys = Keys()
+    hashes = [k for k in r.scan_iter(f"{keys.prefix}job:batch_*") if k.count(b":") == 2]
+    assert len(hashes) == 12
+
+    third = batch_run(redis_url, source, out)  # all done: nothing to do
+    stdout, _ = third.communicate(timeout=60)
+    assert b"12 done, 1 failed of 13" in stdout and output_lines(out) == lines

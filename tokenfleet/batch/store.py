@@ -1,0 +1,216 @@
+"""Files and batches in Redis, so that any gateway replica can serve or finish them.
+
+Keys (under the fleet's prefix P):
+
+    P file:ID            hash: the file object (id, bytes, created_at, filename, purpose)
+    P file:ID:content    string: the bytes (at most `max_file_bytes`)
+    P files              zset: file ids by creation time
+    P batch:ID           hash: `doc` (the batch object, JSON), `cancel` (a cancel request)
+    P batch:ID:results   hash: line index -> its output or error line (JSON), as lines end
+    P batch:ID:lease     string: the gateway driving the batch (SET NX PX; renewed)
+    P batches            zset: batch ids by creation time
+
+Why Redis and not a shared directory: the fleet already depends on Redis being there
+and persistent, every replica reaches it, and nothing else has to be mounted into
+gateway containers. The price is memory, hence the size limit per file
+(`GatewayConfig.max_file_bytes`, 32 MiB by default): a bigger job list is several
+batches, or `tokenfleet batch run` from the shell, which streams from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from typing import Any
+
+import redis.asyncio as aredis
+
+from tokenfleet.keys import Keys
+
+LEASE_MS = 15_000  # a driver that stops renewing loses its batches after this long
+
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class FileTooLarge(ValueError):
+    pass
+
+
+class NotFound(KeyError):
+    pass
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}_{secrets.token_hex(12)}"
+
+
+class BatchStore:
+    def __init__(
+        self, client: aredis.Redis, keys: Keys, *, max_file_bytes: int, lease_ms: int = LEASE_MS
+    ) -> None:
+        self.r = client
+        self.p = keys.prefix
+        self.max_file_bytes = max_file_bytes
+        self.lease_ms = lease_ms
+
+    # ---- keys ---------------------------------------------------------------------
+
+    def file_key(self, file_id: str) -> str:
+        return f"{self.p}file:{file_id}"
+
+    def batch_key(self, batch_id: str) -> str:
+        return f"{self.p}batch:{batch_id}"
+
+    # ---- files ------------------------------------------------------------------------
+
+    async def put_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
+        if len(content) > self.max_file_bytes:
+            raise FileTooLarge(
+                f"the file has {len(content):,} bytes; this gateway stores at most "
+                f"{self.max_file_bytes:,} per file (TOKENFLEET_GATEWAY_MAX_FILE_BYTES)"
+            )
+        file_id = new_id("file")
+        doc = {
+            "id": file_id,
+            "object": "file",
+            "bytes": len(content),
+            "created_at": int(time.time()),
+            "filename": filename,
+            "purpose": purpose,
+            "status": "processed",
+        }
+        key = self.file_key(file_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.set(f"{key}:content", content)
+            pipe.hset(key, mapping={"doc": json.dumps(doc)})
+            pipe.zadd(f"{self.p}files", {file_id: time.time()})
+            await pipe.execute()
+        return doc
+
+    async def file(self, file_id: str) -> dict[str, Any]:
+        raw = await self.r.hget(self.file_key(file_id), "doc")
+        if raw is None:
+            raise NotFound(f"no file {file_id!r}")
+        doc: dict[str, Any] = json.loads(raw)
+        return doc
+
+    async def content(self, file_id: str) -> bytes:
+        data = await self.r.get(f"{self.file_key(file_id)}:content")
+        if data is None:
+            raise NotFound(f"no file {file_id!r}")
+        return bytes(data)
+
+    async def files(self, limit: int = 100) -> list[dict[str, Any]]:
+        ids = await self.r.zrevrange(f"{self.p}files", 0, limit - 1)
+        docs = []
+        for raw_id in ids:
+            try:
+                docs.append(await self.file(raw_id.decode()))
+            except NotFound:
+                continue
+        return docs
+
+    async def delete_file(self, file_id: str) -> bool:
+        key = self.file_key(file_id)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.delete(key, f"{key}:content")
+            pipe.zrem(f"{self.p}files", file_id)
+            deleted, _ = await pipe.execute()
+        return bool(deleted)
+
+    # ---- batches ----------------------------------------------------------------------
+
+    async def create_batch(self, doc: dict[str, Any]) -> None:
+        key = self.batch_key(doc["id"])
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"doc": json.dumps(doc)})
+            pipe.zadd(f"{self.p}batches", {doc["id"]: time.time()})
+            await pipe.execute()
+
+    async def batch(self, batch_id: str) -> dict[str, Any]:
+        raw = await self.r.hget(self.batch_key(batch_id), "doc")
+        if raw is None:
+            raise NotFound(f"no batch {batch_id!r}")
+        doc: dict[str, Any] = json.loads(raw)
+        return doc
+
+    async def save_batch(self, doc: dict[str, Any]) -> None:
+        await self.r.hset(self.batch_key(doc["id"]), "doc", json.dumps(doc))
+
+    async def batches(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; `after`: continue below that batch id (OpenAI's pagination)."""
+        key = f"{self.p}batches"
+        top = "+inf"
+        if after is not None:
+            score = await self.r.zscore(key, after)
+            if score is None:
+                return []
+            top = f"({score}"
+        ids = await self.r.zrevrangebyscore(key, top, "-inf", start=0, num=limit)
+        docs = []
+        for raw_id in ids:
+            try:
+                docs.append(await self.batch(raw_id.decode()))
+            except NotFound:
+                continue
+        return docs
+
+    async def request_cancel(self, batch_id: str) -> None:
+        await self.r.hset(self.batch_key(batch_id), "cancel", "1")
+
+    async def cancel_requested(self, batch_id: str) -> bool:
+        return bool(await self.r.hget(self.batch_key(batch_id), "cancel"))
+
+    async def open_batch_ids(self) -> list[str]:
+        """Batches not in a terminal state (what a driver may pick up)."""
+        ids = [raw.decode() for raw in await self.r.zrange(f"{self.p}batches", 0, -1)]
+        if not ids:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for batch_id in ids:
+                pipe.hget(self.batch_key(batch_id), "doc")
+            docs = await pipe.execute()
+        return [
+            batch_id
+            for batch_id, raw in zip(ids, docs, strict=True)
+            if raw is not None and json.loads(raw)["status"] not in TERMINAL
+        ]
+
+    # ---- results, as lines end ----------------------------------------------------------
+
+    async def put_results(self, batch_id: str, lines: dict[int, dict[str, Any]]) -> None:
+        if lines:
+            await self.r.hset(
+                f"{self.batch_key(batch_id)}:results",
+                mapping={str(i): json.dumps(line) for i, line in lines.items()},
+            )
+
+    async def results(self, batch_id: str) -> dict[int, dict[str, Any]]:
+        raw = await self.r.hgetall(f"{self.batch_key(batch_id)}:results")
+        return {int(k): json.loads(v) for k, v in raw.items()}
+
+    async def drop_results(self, batch_id: str) -> None:
+        await self.r.delete(f"{self.batch_key(batch_id)}:results")
+
+    # ---- who drives a batch -----------------------------------------------------------
+
+    async def take_lease(self, batch_id: str, owner: str) -> bool:
+        """Take or renew the batch's lease (True while `owner` holds it)."""
+        key = f"{self.batch_key(batch_id)}:lease"
+        if await self.r.set(key, owner, nx=True, px=self.lease_ms):
+            return True
+        held = await self.r.get(key)
+        if held is not None and held.decode() == owner:
+            await self.r.pexpire(key, self.lease_ms)
+            return True
+        return False
+
+    async def release_lease(self, batch_id: str, owner: str) -> None:
+        key = f"{self.batch_key(batch_id)}:lease"
+        held = await self.r.get(key)
+        if held is not None and held.decode() == owner:
+            await self.r.delete(key)
+
+
+__all__ = ["LEASE_MS", "TERMINAL", "BatchStore", "FileTooLarge", "NotFound", "new_id"]
