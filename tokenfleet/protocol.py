@@ -42,6 +42,7 @@ MAX_METADATA_ITEMS = 32
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 1024
 MAX_CACHE_SALT_CHARS = 256
+MAX_GRAMMAR_CHARS = 64 * 1024  # a structured-output schema, regex or grammar
 MAX_SEED = 2**63 - 1
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
@@ -94,6 +95,24 @@ class ChatMessage(_Message):
     content: str = Field(max_length=MAX_MESSAGE_CHARS)
 
 
+class Structured(_Message):
+    """Output the job must match, enforced while it decodes (llguidance): `json_object`
+    (any JSON object), `json_schema` (`value`: the schema as JSON text), `regex`
+    (`value`: the pattern the whole output matches) or `lark` (`value`: a grammar)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "lark"]
+    value: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+    @model_validator(mode="after")
+    def _value_when_needed(self) -> Structured:
+        if (self.value is None) != (self.kind == "json_object"):
+            raise ValueError(
+                "structured.value is required for json_schema, regex and lark, and must be "
+                "absent for json_object"
+            )
+        return self
+
+
 class GenerationRequest(_Message):
     """One generation job, as a producer submits it."""
 
@@ -121,6 +140,7 @@ class GenerationRequest(_Message):
     # Jobs share cached prefix KV blocks only with jobs of the same salt (None is a salt
     # too): a tenant that must not learn from cache timing sends a secret of its own.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    structured: Structured | None = None  # constrain the output (JSON schema, regex, ...)
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
         default_factory=dict, max_length=MAX_METADATA_ITEMS
     )

@@ -7,8 +7,9 @@ Keys (under the fleet's prefix P):
     P files              zset: file ids by creation time
     P batch:ID           hash: `doc` (the batch object, JSON), `cancel` (a cancel request)
     P batch:ID:results   hash: line index -> its output or error line (JSON), as lines end
-    P batch:ID:lease     string: the gateway driving the batch (SET NX PX; renewed)
+    P batch:ID:lease     string: the gateway driving the batch (lua/lease.lua; renewed)
     P batches            zset: batch ids by creation time
+    P batches:open       set: the batches not finished yet (what drivers look at)
 
 Why Redis and not a shared directory: the fleet already depends on Redis being there
 and persistent, every replica reaches it, and nothing else has to be mounted into
@@ -27,6 +28,7 @@ from typing import Any
 import redis.asyncio as aredis
 
 from tokenfleet.keys import Keys
+from tokenfleet.lua import LEASE_LUA
 
 LEASE_MS = 15_000  # a driver that stops renewing loses its batches after this long
 
@@ -53,6 +55,7 @@ class BatchStore:
         self.p = keys.prefix
         self.max_file_bytes = max_file_bytes
         self.lease_ms = lease_ms
+        self._lease = client.register_script(LEASE_LUA)
 
     # ---- keys ---------------------------------------------------------------------
 
@@ -126,6 +129,7 @@ class BatchStore:
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"doc": json.dumps(doc)})
             pipe.zadd(f"{self.p}batches", {doc["id"]: time.time()})
+            pipe.sadd(f"{self.p}batches:open", doc["id"])
             await pipe.execute()
 
     async def batch(self, batch_id: str) -> dict[str, Any]:
@@ -136,7 +140,11 @@ class BatchStore:
         return doc
 
     async def save_batch(self, doc: dict[str, Any]) -> None:
-        await self.r.hset(self.batch_key(doc["id"]), "doc", json.dumps(doc))
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.batch_key(doc["id"]), "doc", json.dumps(doc))
+            if doc["status"] in TERMINAL:
+                pipe.srem(f"{self.p}batches:open", doc["id"])
+            await pipe.execute()
 
     async def batches(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
         """Newest first; `after`: continue below that batch id (OpenAI's pagination)."""
@@ -164,18 +172,7 @@ class BatchStore:
 
     async def open_batch_ids(self) -> list[str]:
         """Batches not in a terminal state (what a driver may pick up)."""
-        ids = [raw.decode() for raw in await self.r.zrange(f"{self.p}batches", 0, -1)]
-        if not ids:
-            return []
-        async with self.r.pipeline(transaction=False) as pipe:
-            for batch_id in ids:
-                pipe.hget(self.batch_key(batch_id), "doc")
-            docs = await pipe.execute()
-        return [
-            batch_id
-            for batch_id, raw in zip(ids, docs, strict=True)
-            if raw is not None and json.loads(raw)["status"] not in TERMINAL
-        ]
+        return sorted(raw.decode() for raw in await self.r.smembers(f"{self.p}batches:open"))
 
     # ---- results, as lines end ----------------------------------------------------------
 
@@ -196,21 +193,17 @@ class BatchStore:
     # ---- who drives a batch -----------------------------------------------------------
 
     async def take_lease(self, batch_id: str, owner: str) -> bool:
-        """Take or renew the batch's lease (True while `owner` holds it)."""
-        key = f"{self.batch_key(batch_id)}:lease"
-        if await self.r.set(key, owner, nx=True, px=self.lease_ms):
-            return True
-        held = await self.r.get(key)
-        if held is not None and held.decode() == owner:
-            await self.r.pexpire(key, self.lease_ms)
-            return True
-        return False
+        """Take or renew the batch's lease (True while `owner` holds it); one script, so
+        a driver paused past its lease never renews the next holder's."""
+        reply = await self._lease(
+            keys=[f"{self.batch_key(batch_id)}:lease"], args=[owner, self.lease_ms, "take"]
+        )
+        return bool(reply)
 
     async def release_lease(self, batch_id: str, owner: str) -> None:
-        key = f"{self.batch_key(batch_id)}:lease"
-        held = await self.r.get(key)
-        if held is not None and held.decode() == owner:
-            await self.r.delete(key)
+        await self._lease(
+            keys=[f"{self.batch_key(batch_id)}:lease"], args=[owner, self.lease_ms, "release"]
+        )
 
 
 __all__ = ["LEASE_MS", "TERMINAL", "BatchStore", "FileTooLarge", "NotFound", "new_id"]

@@ -12,6 +12,7 @@ Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``ignore_eos``,
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -22,11 +23,13 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.protocol import (
     MAX_CACHE_SALT_CHARS,
+    MAX_GRAMMAR_CHARS,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_METADATA_VALUE_CHARS,
@@ -58,6 +61,28 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str = Field(default="response", max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`: text (no constraint), json_object, json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format.json_schema goes with type 'json_schema' only")
+        return self
+
+
 class _GenerationParams(_Strict):
     """What completions and chat completions share."""
 
@@ -80,6 +105,31 @@ class _GenerationParams(_Strict):
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # share cached prefix KV only with requests of the same salt (vLLM's field)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    response_format: ResponseFormat | None = None
+    # extensions, as vLLM names them: the whole output matches a regex / a Lark grammar
+    guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _GenerationParams:
+        self.structured()  # raises when more than one is given
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """The job's `structured` field; at most one constraint may be given."""
+        given: list[dict[str, Any]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append({"kind": "json_object"})
+        if fmt is not None and fmt.json_schema is not None:
+            given.append({"kind": "json_schema", "value": json.dumps(fmt.json_schema.schema_)})
+        if self.guided_regex is not None:
+            given.append({"kind": "regex", "value": self.guided_regex})
+        if self.guided_grammar is not None:
+            given.append({"kind": "lark", "value": self.guided_grammar})
+        if len(given) > 1:
+            raise ValueError("give one of response_format, guided_regex and guided_grammar")
+        return given[0] if given else None
 
     @field_validator("max_tokens")
     @classmethod
@@ -159,6 +209,7 @@ class _GenerationParams(_Strict):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "cache_salt": self.cache_salt,
+            "structured": self.structured(),
         }
 
 
@@ -262,17 +313,12 @@ class ChatMessageIn(_Strict):
         return value
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_GenerationParams):
     """POST /v1/chat/completions. The worker renders `messages` with its chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    response_format: ResponseFormat | None = None
 
     @field_validator("max_completion_tokens")
     @classmethod

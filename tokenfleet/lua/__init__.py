@@ -26,6 +26,7 @@ DEAD_LETTER_LUA = _OWNED_ENTRY + _read("dead_letter")  # worker: dead-letter an 
 REDELIVER_LUA = _OWNED_ENTRY + _read("redeliver")  # worker: count an in-process retry
 CLAIM_ORPHANS_LUA = _read("claim_orphans")  # worker: take over the entries of dead workers
 PROBE_LUA = _read("probe")  # worker: at start, which of its commands its ACL user may not run
+LEASE_LUA = _read("lease")  # gateway: take, renew or release a batch's lease
 
 SCRIPTS = MappingProxyType(
     {
@@ -36,6 +37,7 @@ SCRIPTS = MappingProxyType(
         "redeliver": REDELIVER_LUA,
         "claim_orphans": CLAIM_ORPHANS_LUA,
         "probe": PROBE_LUA,
+        "lease": LEASE_LUA,
     }
 )
 
@@ -43,6 +45,7 @@ __all__ = [
     "ACCEPT_LUA",
     "CLAIM_ORPHANS_LUA",
     "DEAD_LETTER_LUA",
+    "LEASE_LUA",
     "PROBE_LUA",
     "REDELIVER_LUA",
     "SCRIPTS",

@@ -21,7 +21,7 @@ from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.sampling import Sampler, SamplingState
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.worker.runner import ModelSpec, ResolvedSampling
+from tokenfleet.worker.runner import ModelSpec, ResolvedSampling, TokenMasks
 from tokenfleet.worker.scheduler import DecodeStep, TickPlan
 
 ForwardObserver = Callable[[list[int], list[SeqInput]], None]
@@ -72,7 +72,12 @@ class TorchRunner:
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self.kv = self.model.new_kv_pool(num_blocks, block_size)
 
-    def execute(self, plan: TickPlan, sampling: Mapping[str, ResolvedSampling]) -> list[int]:
+    def execute(
+        self,
+        plan: TickPlan,
+        sampling: Mapping[str, ResolvedSampling],
+        masks: TokenMasks | None = None,
+    ) -> list[int]:
         if self.kv is None:
             raise RuntimeError("allocate_kv() before execute()")
         ids: list[int] = []
@@ -97,6 +102,8 @@ class TorchRunner:
             return []
         if len(sample_rows) < len(seqs):
             logits = logits[sample_rows]
+        if masks:
+            logits = _apply_masks(logits, plan.sampling_ids, masks)
         return self.sampler.sample(logits, states)
 
     def _stream(
@@ -111,6 +118,22 @@ class TorchRunner:
 
     def release(self, session_id: str) -> None:
         self._streams.pop(session_id, None)
+
+
+def _apply_masks(logits: torch.Tensor, ids: list[str], masks: TokenMasks) -> torch.Tensor:
+    """-inf on every token a structured session's grammar does not allow now."""
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32)
+    out = logits.clone()
+    for row, sid in enumerate(ids):
+        if sid not in masks:
+            continue
+        words = torch.frombuffer(bytearray(masks.get(sid)), dtype=torch.int32)
+        allowed = ((words[:, None] >> bits) & 1).flatten()[:vocab].bool()
+        if allowed.shape[0] < vocab:  # tokens past the grammar's vocabulary: never
+            allowed = torch.cat([allowed, allowed.new_zeros(vocab - allowed.shape[0])])
+        out[row].masked_fill_(~allowed.to(out.device), float("-inf"))
+    return out
 
 
 def _identity(loaded: LoadedModel) -> str:

@@ -102,6 +102,10 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what grammar libraries load)."""
+        return str(self._tok.to_str())
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte, for presets that must run with no files.

@@ -30,6 +30,7 @@ from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
+from tokenfleet.worker.grammar import Grammars, MaskJobs
 from tokenfleet.worker.runner import ModelRunner
 from tokenfleet.worker.scheduler import (
     DecodeStep,
@@ -113,6 +114,7 @@ class Engine:
         self.clock = clock
         self.fault = fault  # fault injection for tests: raise inside the forward of a session
         self.threads = threads  # fits the CPU thread count to the free cores between ticks
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)  # structured output
         self.admission = Admission(self.budget)
         self.blocks = self.budget.new_block_manager(prefix_cache=self.config.prefix_cache)
         self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
@@ -304,7 +306,15 @@ class Engine:
             if self.fault is not None:
                 for entry in plan.entries:
                     self.fault(self.sessions[entry.seq.session_id])
-            tokens = self.runner.execute(plan, sampling)
+            structured = {sid: m for sid in ids if (m := self.sessions[sid].matcher) is not None}
+            if structured:  # masks computed on a thread while the forward runs
+                masks = MaskJobs(structured)
+                try:
+                    tokens = self.runner.execute(plan, sampling, masks)
+                finally:
+                    masks.settle()
+            else:
+                tokens = self.runner.execute(plan, sampling)
         finally:
             self._runner_s += time.perf_counter() - started
         return dict(zip(ids, tokens, strict=True))
@@ -339,6 +349,9 @@ class Engine:
         if not request.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids)
+        matcher = None
+        if request.structured is not None:  # GrammarError: rejected_invalid
+            matcher = self.grammars.matcher(request.structured)
         return Session(
             request=request,
             prompt_ids=prompt_ids,
@@ -347,6 +360,7 @@ class Engine:
             stop_ids=stop_ids,
             submitted_at=submitted_at,
             scratch_bytes=self.runner.scratch_bytes(len(prompt_ids) + request.max_new_tokens),
+            matcher=matcher,
         )
 
     def _admission_request(self, session: Session) -> AdmissionRequest:

@@ -127,6 +127,14 @@ class ModelSpec:
         )
 
 
+class TokenMasks(Protocol):
+    """The token masks of one tick's structured sessions (`worker.grammar.MaskJobs`)."""
+
+    def __contains__(self, session_id: object) -> bool: ...
+
+    def get(self, session_id: str) -> bytes: ...
+
+
 class ModelRunner(Protocol):
     """A model the engine can run: see the module docstring for the call sequence."""
 
@@ -143,10 +151,17 @@ class ModelRunner(Protocol):
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         """Allocate the KV pool the plans' block tables index into (called once)."""
 
-    def execute(self, plan: TickPlan, sampling: Mapping[str, ResolvedSampling]) -> list[int]:
+    def execute(
+        self,
+        plan: TickPlan,
+        sampling: Mapping[str, ResolvedSampling],
+        masks: TokenMasks | None = None,
+    ) -> list[int]:
         """Run one tick: write every planned token's K/V and return one sampled token per
         `plan.sampling_ids` entry, in that order. `sampling` holds those sessions'
-        parameters. Raising means no token of this plan was sampled."""
+        parameters; `masks` (structured output), the allowed tokens of some of them, as
+        a bitmask (bit i of 32-bit word i // 32: token i), passed only when there are
+        any. Raising means no token of this plan was sampled."""
 
     def release(self, session_id: str) -> None:
         """Forget a session that ended or moved away (a no-op for one never executed)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import (
@@ -92,6 +93,9 @@ class Session:
     # content addresses of the full blocks of prompt + emitted tokens before the last
     # one (prefix caching; computed once, when admission first looks)
     block_hashes: list[bytes] | None = None
+    # structured output: the job's grammar state (an llguidance LLMatcher), fed every
+    # emitted token; None for a job without one
+    matcher: Any = None
     _stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,10 +118,20 @@ class Session:
         """
         if token_id in self.stop_ids:
             return None, FinishReason.STOP
+        grammar_done = False
+        if self.matcher is not None:
+            if not self.matcher.consume_token(token_id):
+                raise ValueError(
+                    f"token {token_id} breaks the job's grammar: {self.matcher.get_error()}"
+                )
+            grammar_done = self.matcher.is_stopped()  # nothing but end-of-sequence may follow
         index = len(self.emitted)
         delta = self.detok.feed(token_id) if self.detok is not None else ""
         text, stopped = self._stops.push(delta)
         reason: FinishReason | None = FinishReason.STOP if stopped else None
+        if reason is None and grammar_done:
+            reason = FinishReason.STOP
+            text += self._trailing_text()
         if reason is None and index + 1 >= self.max_new_tokens:
             reason = FinishReason.LENGTH
             text += self._trailing_text()  # the last event carries whatever was held back
