@@ -29,6 +29,7 @@ from support import RedisServer, free_port
 FAST_MODULES = frozenset(
     {
         "test_admission.py",
+        "test_attention_shared.py",
         "test_batch_buffers.py",
         "test_chat.py",
         "test_compose.py",
@@ -41,11 +42,14 @@ FAST_MODULES = frozenset(
         "test_kv.py",
         "test_lua_scripts.py",
         "test_model_reference.py",
+        "test_prefix_cache.py",
         "test_protocol.py",
         "test_runner_seam.py",
         "test_sampling.py",
         "test_scheduler.py",
+        "test_structured.py",
         "test_telemetry.py",
+        "test_threads.py",
         "test_tokenizer.py",
     }
 )
