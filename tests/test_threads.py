@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+from support import wait_for
 
 from tokenfleet.worker.threads import ThreadGovernor, busy_cpu_seconds
 
@@ -94,14 +94,12 @@ def _spin_on(cpu: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", code])
 
 
-def _wait_for(gov: ThreadGovernor, threads: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _threads_become(gov: ThreadGovernor, threads: int) -> None:
+    def reached() -> bool:
         gov.poll()
-        if gov.threads == threads:
-            return
-        time.sleep(0.05)  # polling interval, not synchronisation: the loop waits on gov
-    pytest.fail(f"threads stayed {gov.threads} (free cores {gov.free_cores}), wanted {threads}")
+        return gov.threads == threads
+
+    wait_for(reached, 30, f"{threads} threads (now {gov.threads}, free {gov.free_cores})")
 
 
 @pytest.mark.skipif(
@@ -114,19 +112,16 @@ def test_a_real_neighbour_on_a_real_cpu() -> None:
     cpus = sorted(os.sched_getaffinity(0))[:2]
     assert busy_cpu_seconds(frozenset(cpus)) > 0
     probe = ThreadGovernor(lambda n: None, 2, cpus=frozenset(cpus), window_s=0.5)
-    deadline = time.monotonic() + 10
-    while probe.free_cores is None and time.monotonic() < deadline:
-        probe.poll()
-        time.sleep(0.05)
+    wait_for(lambda: probe.poll() or probe.free_cores is not None, 10, "a first window")
     if probe.free_cores is None or probe.free_cores < 1.6:
         pytest.skip(f"CPUs {cpus} are busy already (free {probe.free_cores}): no premise")
     calls: list[int] = []
     gov = ThreadGovernor(calls.append, 2, cpus=frozenset(cpus), window_s=0.5)
     neighbour = _spin_on(cpus[0])
     try:
-        _wait_for(gov, 1)
+        _threads_become(gov, 1)
     finally:
         neighbour.kill()
         neighbour.wait()
-    _wait_for(gov, 2)
+    _threads_become(gov, 2)
     assert calls[0] == 1 and calls[-1] == 2
