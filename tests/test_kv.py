@@ -33,15 +33,15 @@ def test_reserve_ensure_free_round_trip() -> None:
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.reserve("a", 10)  # 3 blocks
     assert bm.num_reserved_blocks == 3 and bm.available_blocks == 5
-    assert bm.num_allocated_blocks == 0, "reservation allocates nothing"
+    assert bm.num_in_use_blocks == 0, "reservation allocates nothing"
     assert bm.ensure("a", 1) == [0]
     assert bm.ensure("a", 4) == [0]
     assert bm.ensure("a", 5) == [0, 1]
     assert bm.ensure("a", 3) == [0, 1], "ensure never shrinks"
     assert bm.used_tokens("a") == 5
-    assert bm.num_allocated_blocks == 2 and bm.num_free_blocks == 6
+    assert bm.num_in_use_blocks == 2 and bm.num_free_blocks == 6
     bm.free("a")
-    assert (bm.num_free_blocks, bm.num_allocated_blocks, bm.num_reserved_blocks) == (8, 0, 0)
+    assert (bm.num_free_blocks, bm.num_in_use_blocks, bm.num_reserved_blocks) == (8, 0, 0)
     assert "a" not in bm and len(bm) == 0
     bm.check_invariants()
 
@@ -88,7 +88,7 @@ def test_waste_is_at_most_one_partial_block_per_session() -> None:
     for sid in lengths:
         slots = len(bm.block_table(sid)) * bm.block_size
         assert 0 <= slots - bm.used_tokens(sid) < bm.block_size, sid
-    allocated_slots = bm.num_allocated_blocks * bm.block_size
+    allocated_slots = bm.num_in_use_blocks * bm.block_size
     assert allocated_slots - sum(lengths.values()) < len(lengths) * bm.block_size
 
 
@@ -99,7 +99,7 @@ def test_everything_freed_returns_kv_to_zero() -> None:
         bm.ensure(f"s{i}", 4 + i % 3)
     for i in range(5):
         bm.free(f"s{i}")
-    assert bm.num_allocated_blocks == 0 and bm.num_reserved_blocks == 0
+    assert bm.num_in_use_blocks == 0 and bm.num_reserved_blocks == 0
     assert bm.available_blocks == bm.num_free_blocks == 10
     bm.check_invariants()
 
@@ -135,11 +135,11 @@ def test_random_sequences_keep_invariants(
             bm.free(sid)
             del reserved[sid]
         bm.check_invariants()
-        assert bm.num_free_blocks + bm.num_allocated_blocks == num_blocks
+        assert bm.num_free_blocks + bm.num_in_use_blocks == num_blocks
         tables = [bm.block_table(s) for s in reserved]
         flat = [b for t in tables for b in t]
-        assert len(flat) == len(set(flat)) == bm.num_allocated_blocks
-        assert bm.num_allocated_blocks <= bm.num_reserved_blocks <= num_blocks
+        assert len(flat) == len(set(flat)) == bm.num_in_use_blocks
+        assert bm.num_in_use_blocks <= bm.num_reserved_blocks <= num_blocks
     for sid in list(reserved):
         bm.free(sid)
     assert bm.num_free_blocks == num_blocks and bm.num_reserved_blocks == 0

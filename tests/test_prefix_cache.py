@@ -371,5 +371,4 @@ def test_cached_blocks_are_reclaimed_tail_first_and_never_from_a_session() -> No
     blocks.free("b")
     blocks.free("c")
     assert blocks.num_cached_blocks == 1  # a's first block, shared by b, cached again
-    assert blocks.clear_cache() == 1 and blocks.match(ha) == []
     blocks.check_invariants()

@@ -167,12 +167,12 @@ def test_finish_frees_kv_to_zero_in_any_state() -> None:
         s.add(seq(sid, prompt_len=4, new=20))
     for _ in range(3):
         run(s)
-    assert s.blocks.num_allocated_blocks > 0
+    assert s.blocks.num_in_use_blocks > 0
     assert s.finish("a").status is SeqStatus.FINISHED
     s.finish("b")  # partly prefilled or decoding: either way it goes
     assert s.finish("c").status is SeqStatus.FINISHED
     assert s.is_idle
-    assert s.blocks.num_allocated_blocks == 0 and s.blocks.num_reserved_blocks == 0
+    assert s.blocks.num_in_use_blocks == 0 and s.blocks.num_reserved_blocks == 0
     s.blocks.check_invariants()
     assert s.schedule().is_empty
 

@@ -26,23 +26,25 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from tokenfleet.batch.format import (
+    SUBMIT_REFUSALS,
     BatchInputError,
     BatchLine,
     error_line,
     job_id_for,
     parse_input,
+    refused_line,
     result_line,
+    succeeded,
     to_request,
 )
 from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id
-from tokenfleet.errors import InvalidRequest, JobRejected, QueueFull
+from tokenfleet.errors import QueueFull
 from tokenfleet.fleet import FleetView, read_workers_async
 from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.producer import AsyncProducer
@@ -127,6 +129,7 @@ class Run:
         self.lines: list[BatchLine] = []
         self.done: set[int] = set()
         self.out: set[int] = set()  # submitted, no result yet
+        self.cancelled: set[int] = set()  # jobs out this run has asked to cancel
         self.next = 0  # the first line not submitted yet
         self.fleet: FleetView | None = None
         self.fleet_at = 0.0
@@ -182,8 +185,9 @@ class Run:
 
     async def _cancelling(self, doc: dict[str, Any]) -> dict[str, Any]:
         await self._load(doc)
-        for index in self.out:
+        for index in self.out - self.cancelled:  # each job out is cancelled once
             await self.producer.handle(job_id_for(self.id, index)).cancel()
+        self.cancelled |= self.out
         await self._collect(doc)
         if self.out:
             return doc
@@ -232,62 +236,49 @@ class Run:
 
     async def _submit_more(self, doc: dict[str, Any]) -> None:
         view = await self._view()
-        counts = doc["request_counts"]
         failed: dict[int, dict[str, Any]] = {}
-        depth_seen: dict[str, int] = {}
+        room: dict[str, int] = {}  # jobs each model's queue takes this step
         while self.next < len(self.lines) and len(self.out) < self.config.max_in_flight:
             line = self.lines[self.next]
             if line.body is None or line.index in self.done:  # failed at validation
                 self.next += 1
                 continue
             model = line.body.model
-            cap = await self._cap(model)
-            if model not in depth_seen:
-                depth_seen[model] = await self.producer.depth(
-                    None if model == DEFAULT_MODEL else model
-                )
-            if depth_seen[model] >= cap * self.config.queue_share:
+            if model not in room:
+                room[model] = await self._room(model)
+            if room[model] <= 0:
                 break  # the queue is busy: wait, leave room for interactive work
             served = view.models.get(model)
-            job_id = job_id_for(self.id, line.index)
             try:
-                job = to_request(
-                    line,
-                    job_id,
-                    sampling_defaults=served.sampling_defaults if served else None,
-                    chat_max_tokens=self.config.chat_max_tokens,
-                    metadata={"batch_id": self.id, "custom_id": line.custom_id[:1024]},
-                )
+                job = to_request(self.id, line, served, chat_max_tokens=self.config.chat_max_tokens)
                 await self.producer.submit(job, capacity=served.max_job_tokens if served else None)
             except QueueFull:
                 break  # not the batch's fault: retry on the next step
-            except (ValidationError, JobRejected, InvalidRequest) as exc:
-                code = exc.reason if isinstance(exc, JobRejected) else "invalid_request"
-                failed[line.index] = error_line(self.id, line, code, str(exc)[:2000])
-                counts["failed"] += 1
+            except SUBMIT_REFUSALS as exc:
+                failed[line.index] = refused_line(self.id, line, exc)
                 self.next += 1
                 continue
-            depth_seen[model] += 1
+            room[model] -= 1
             self.out.add(line.index)
             self.next += 1
         await self.store.put_results(self.id, failed)
+        doc["request_counts"]["failed"] += len(failed)
         self.done |= failed.keys()
         doc["tokenfleet_submitted"] = self.next
 
-    async def _cap(self, model: str) -> int:
-        key = self.producer.keys.queue_cap(None if model == DEFAULT_MODEL else model)
-        raw = await self.producer.redis.get(key)
-        return int(raw) if raw is not None else self.producer.default_cap
+    async def _room(self, model: str) -> int:
+        """How many more jobs the model's queue takes before it is `queue_share` full."""
+        stream_model = None if model == DEFAULT_MODEL else model
+        raw = await self.producer.redis.get(self.producer.keys.queue_cap(stream_model))
+        cap = int(raw) if raw is not None else self.producer.default_cap
+        depth = await self.producer.depth(stream_model)
+        return math.ceil(cap * self.config.queue_share) - depth
 
     async def _finish(self, doc: dict[str, Any], status: str) -> dict[str, Any]:
         results = await self.store.results(self.id)
-        good = [
-            results[i]
-            for i in sorted(results)
-            if results[i].get("error") is None
-            and (results[i].get("response") or {}).get("status_code") == 200
-        ]
-        bad = [results[i] for i in sorted(results) if results[i] not in good]
+        ordered = [results[i] for i in sorted(results)]
+        good = [entry for entry in ordered if succeeded(entry)]
+        bad = [entry for entry in ordered if not succeeded(entry)]
         if good:
             doc["output_file_id"] = (await self._file(good, "output"))["id"]
         if bad:

@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
+from tokenfleet.errors import InvalidRequest, JobRejected
+from tokenfleet.fleet import ServedModel
 from tokenfleet.gateway.errors import from_finish
 from tokenfleet.gateway.openai_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -165,14 +167,15 @@ def batch_id_for_file(data: bytes) -> str:
 
 
 def to_request(
+    batch_id: str,
     line: BatchLine,
-    job_id: str,
+    served: ServedModel | None,
     *,
-    sampling_defaults: dict[str, Any] | None = None,
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
-    metadata: dict[str, Any] | None = None,
 ) -> GenerationRequest:
-    """The fleet job for a valid line (raises pydantic's ValidationError otherwise)."""
+    """The fleet job of a valid line: id `job_id_for(batch_id, line.index)`, the served
+    model's sampling defaults where the body leaves them unset (raises pydantic's
+    ValidationError where the job's own limits refuse the body)."""
     assert line.body is not None
     body = line.body
     asked = body.max_tokens
@@ -180,12 +183,36 @@ def to_request(
         asked = body.max_completion_tokens or asked
     if asked is None:
         asked = chat_max_tokens if line.kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS
-    meta = {"via": "batch", "endpoint": line.kind, **(metadata or {})}
+    meta: dict[str, Any] = {
+        "via": "batch",
+        "endpoint": line.kind,
+        "batch_id": batch_id,
+        "custom_id": line.custom_id[:1024],
+    }
     if body.user:
         meta["user"] = body.user
     return job_from_openai(
-        body, job_id=job_id, max_tokens=asked, sampling_defaults=sampling_defaults, metadata=meta
+        body,
+        job_id=job_id_for(batch_id, line.index),
+        max_tokens=asked,
+        sampling_defaults=served.sampling_defaults if served else None,
+        metadata=meta,
     )
+
+
+SUBMIT_REFUSALS = (ValidationError, JobRejected, InvalidRequest)  # the line's own fault
+
+
+def refused_line(batch_id: str, line: BatchLine, exc: Exception) -> dict[str, Any]:
+    """The error line of a line the fleet refused at submit (one of SUBMIT_REFUSALS)."""
+    code = exc.reason if isinstance(exc, JobRejected) else "invalid_request"
+    return error_line(batch_id, line, code, str(exc)[:2000])
+
+
+def succeeded(entry: dict[str, Any]) -> bool:
+    """Whether an output line is a success (else it belongs in the error file)."""
+    response = entry.get("response") or {}
+    return entry.get("error") is None and response.get("status_code") == 200
 
 
 def request_id(batch_id: str, index: int) -> str:
@@ -245,6 +272,8 @@ __all__ = [
     "error_line",
     "job_id_for",
     "parse_input",
+    "refused_line",
     "result_line",
+    "succeeded",
     "to_request",
 ]

@@ -12,24 +12,25 @@ is a duplicate, never a second run) and submits the rest.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from tokenfleet.batch.format import (
+    SUBMIT_REFUSALS,
     BatchLine,
     batch_id_for_file,
     error_line,
-    job_id_for,
     parse_input,
+    refused_line,
     result_line,
+    succeeded,
     to_request,
 )
-from tokenfleet.errors import InvalidRequest, JobRejected, QueueFull
+from tokenfleet.errors import QueueFull
 from tokenfleet.fleet import FleetView, read_workers
 from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.producer import Producer
@@ -72,10 +73,7 @@ def _already_done(output: Path) -> dict[str, bool]:
         for raw in f:
             try:
                 line = json.loads(raw)
-                response = line.get("response") or {}
-                done[line["custom_id"]] = line.get("error") is None and (
-                    response.get("status_code") == 200
-                )
+                done[line["custom_id"]] = succeeded(line)
             except (ValueError, KeyError, TypeError, AttributeError):
                 break
             good += raw
@@ -124,6 +122,7 @@ def run_batch(
                     FleetView(read_workers(producer.redis, producer.keys)),
                     time.monotonic(),
                 )
+            room: dict[str, int] = {}  # jobs each model's queue takes this round
             while queue and len(out) < max_in_flight:
                 line = queue[-1]
                 if line.body is None:
@@ -131,28 +130,25 @@ def run_batch(
                     queue.pop()
                     continue
                 model = line.body.model
-                stream_model = None if model == DEFAULT_MODEL else model
-                if producer.depth(stream_model) >= producer.queue_cap(stream_model) * queue_share:
+                if model not in room:
+                    stream_model = None if model == DEFAULT_MODEL else model
+                    cap = producer.queue_cap(stream_model)
+                    room[model] = math.ceil(cap * queue_share) - producer.depth(stream_model)
+                if room[model] <= 0:
                     break
-                served = fleet.models.get(model)
-                job_id = job_id_for(batch_id, line.index)
                 try:
                     job = to_request(
-                        line,
-                        job_id,
-                        sampling_defaults=served.sampling_defaults if served else None,
-                        chat_max_tokens=chat_max_tokens,
-                        metadata={"batch_id": batch_id, "custom_id": line.custom_id[:1024]},
+                        batch_id, line, fleet.models.get(model), chat_max_tokens=chat_max_tokens
                     )
                     producer.submit(job)
                 except QueueFull:
                     break
-                except (ValidationError, JobRejected, InvalidRequest) as exc:
-                    code = exc.reason if isinstance(exc, JobRejected) else "invalid_request"
-                    write(error_line(batch_id, line, code, str(exc)[:2000]), False)
+                except SUBMIT_REFUSALS as exc:
+                    write(refused_line(batch_id, line, exc), False)
                     queue.pop()
                     continue
-                out[job_id] = line
+                room[model] -= 1
+                out[job.job_id] = line
                 queue.pop()
             if out:
                 ids = list(out)

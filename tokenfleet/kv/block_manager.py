@@ -107,10 +107,6 @@ class BlockManager:
         return self._in_use
 
     @property
-    def num_allocated_blocks(self) -> int:
-        return self._in_use
-
-    @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a registered prefix (reclaimable)."""
         return len(self._cached)
@@ -154,9 +150,6 @@ class BlockManager:
 
     def block_table(self, session_id: str) -> list[int]:
         return list(self._get(session_id).table)
-
-    def refcount(self, block: int) -> int:
-        return self._refs[block]
 
     # ---- prefix lookups -----------------------------------------------------------
 
@@ -292,16 +285,6 @@ class BlockManager:
                 self._empty.append(block)
         self._unallocated -= session.unallocated
         self._check()
-
-    def clear_cache(self) -> int:
-        """Forget every cached (unreferenced) block; returns how many. Blocks in use keep
-        their addresses."""
-        count = len(self._cached)
-        while self._cached:
-            block, _ = self._cached.popitem(last=False)
-            self._forget(block)
-            self._empty.append(block)
-        return count
 
     # ---- internals --------------------------------------------------------------
 
