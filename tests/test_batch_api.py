@@ -89,6 +89,14 @@ def wait_status(
     return seen[-1]
 
 
+def start_batch(client: openai.OpenAI, data: bytes) -> Any:
+    """Upload `data` as a batch input file and create a chat-completions batch of it."""
+    upload = client.files.create(file=("in.jsonl", data), purpose="batch")
+    return client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
 def job_hashes(r: redis.Redis, batch_id: str) -> list[bytes]:
     """The state hashes of the batch's jobs (`job:BATCH-N`), one per submitted line."""
     return [k for k in r.scan_iter(f"{KEYS.prefix}job:{batch_id}-*") if k.count(b":") == 2]
@@ -177,10 +185,7 @@ def test_cancel_stops_submitting_and_ends_cancelled(
     try:
         client = gateway.client()
         requests = [chat_line(f"c{i}", f"long answer {i}", 60) for i in range(40)]
-        upload = client.files.create(file=("c.jsonl", jsonl(requests)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = start_batch(client, jsonl(requests))
         wait_for(
             lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1,
             60,
@@ -205,10 +210,7 @@ def test_a_small_queue_is_backpressure_not_failures(env: GatewayEnv, driver: Ser
     try:
         client = driver.client()
         requests = [chat_line(f"b{i}", f"item {i}", 8) for i in range(16)]
-        upload = client.files.create(file=("b.jsonl", jsonl(requests)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = start_batch(client, jsonl(requests))
         done = wait_status(client, batch.id, {"completed", "failed"})
         assert (done.request_counts.completed, done.request_counts.failed) == (16, 0)
     finally:
@@ -250,10 +252,7 @@ def test_a_gateway_killed_mid_batch_is_finished_by_another_each_line_once(
         wait_for(lambda: _healthy(first_port), 60, "the first gateway")
         client = _client(first_port)
         requests = [chat_line(f"k{i}", f"kill test {i}", 40) for i in range(16)]
-        upload = client.files.create(file=("k.jsonl", jsonl(requests)), purpose="batch")
-        batch = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-        )
+        batch = start_batch(client, jsonl(requests))
         wait_for(
             lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
             60,

@@ -37,7 +37,8 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
     """The gateway's FastAPI app. Redis is connected on startup, closed on shutdown."""
     # here, not at the top: tokenfleet.batch uses this package's models and errors
     from tokenfleet.batch.driver import BatchDriver, DriverConfig
-    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.batch.store import BatchStore, NotFound
+    from tokenfleet.gateway.batches import not_found
     from tokenfleet.gateway.batches import router as batches_router
 
     config = (
@@ -134,6 +135,10 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> Response:
         return exc.response()
+
+    @app.exception_handler(NotFound)
+    async def missing(_request: Request, exc: NotFound) -> Response:
+        return not_found(exc).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, exc: RequestValidationError) -> Response:

@@ -21,7 +21,8 @@ FILE_PURPOSES = ("batch", "batch_output")
 MAX_METADATA = 16
 
 
-def _not_found(exc: NotFound) -> ApiError:
+def not_found(exc: NotFound) -> ApiError:
+    """A file or batch that does not exist (the app's handler for NotFound)."""
     return ApiError(404, str(exc.args[0]), code="not_found")
 
 
@@ -69,25 +70,19 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     @api.get("/v1/files/{file_id}")
     async def get_file(file_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        try:
-            return JSONResponse(await s.file(file_id))
-        except NotFound as exc:
-            raise _not_found(exc) from None
+        return JSONResponse(await s.file(file_id))
 
     @api.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, request: Request) -> Response:
         s = store(request)
-        try:
-            data = await s.content(file_id)
-        except NotFound as exc:
-            raise _not_found(exc) from None
+        data = await s.content(file_id)
         return Response(data, media_type="application/jsonl")
 
     @api.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, request: Request) -> JSONResponse:
         s = store(request)
         if not await s.delete_file(file_id):
-            raise _not_found(NotFound(f"no file {file_id!r}"))
+            raise NotFound(f"no file {file_id!r}")
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     # ---- batches ------------------------------------------------------------------
@@ -148,10 +143,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
                 param="input_file_id",
                 code="missing_required_parameter",
             )
-        try:
-            source = await s.file(input_file_id)
-        except NotFound as exc:
-            raise _not_found(exc) from None
+        source = await s.file(input_file_id)
         if source["purpose"] != "batch":
             raise ApiError(
                 400,
@@ -188,10 +180,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     @api.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        try:
-            return JSONResponse(_public(await s.batch(batch_id)))
-        except NotFound as exc:
-            raise _not_found(exc) from None
+        return JSONResponse(_public(await s.batch(batch_id)))
 
     @api.get("/v1/batches")
     async def list_batches(
@@ -214,10 +203,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     @api.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        try:
-            doc = await s.batch(batch_id)
-        except NotFound as exc:
-            raise _not_found(exc) from None
+        doc = await s.batch(batch_id)
         if doc["status"] in TERMINAL:
             raise ApiError(
                 409, f"batch {batch_id!r} is {doc['status']} already", code="batch_not_cancellable"
@@ -235,4 +221,4 @@ def _public(doc: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if not k.startswith("tokenfleet_")}
 
 
-__all__ = ["router"]
+__all__ = ["not_found", "router"]
