@@ -100,10 +100,7 @@ def assert_pool_whole(eng: Engine) -> None:
     blocks = eng.blocks
     blocks.check_invariants()
     assert blocks.num_in_use_blocks == 0 and eng.kv_used_bytes == 0
-    assert (
-        blocks.num_cached_blocks + (blocks.num_free_blocks - blocks.num_cached_blocks)
-        == blocks.num_blocks
-    )
+    assert blocks.num_free_blocks == blocks.num_blocks  # cached + empty: the whole pool
     assert blocks.available_blocks == blocks.num_blocks
 
 
