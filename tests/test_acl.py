@@ -53,7 +53,7 @@ from tokenfleet.acl import (
     rules,
 )
 from tokenfleet.cli import app
-from tokenfleet.errors import JobFailed
+from tokenfleet.errors import JobFailed, TenantQueueFull
 from tokenfleet.keys import GROUP, Keys
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, TokenEvent
@@ -371,6 +371,8 @@ DENIED: dict[str, list[tuple[str, ...]]] = {
         ("SET", CAP, "1000000"),
         ("DEL", CAP),
         ("EXPIRE", CAP, "1"),
+        ("HSET", KEYS.tenant_limits("acme"), "queued_share", "1"),
+        ("ZREM", KEYS.tenant_queued("acme"), "x"),
         ("XADD", EVENTS, "*", "m", "forged"),
         ("PUBLISH", KEYS.channel("acl-victim"), "forged"),
         ("HSET", KEYS.worker("fake"), "max_job_tokens", "999999"),
@@ -383,9 +385,12 @@ DENIED: dict[str, list[tuple[str, ...]]] = {
         ("FLUSHALL",),
         ("CONFIG", "GET", "maxmemory"),
     ],
-    # workers: no new jobs, no cap changes, no deleting dead letters or whole keys
+    # workers: no cap or tenant-limit changes, no deleting dead letters or whole keys.
+    # (A worker may XADD to a jobs stream: accept.lua puts a job whose tenant is at its
+    # running limit back at the tail of its band.)
     "worker": [
-        ("XADD", STREAM, "*", "job_id", "x", "payload", "{}"),
+        ("HSET", KEYS.tenant_limits("acme"), "max_running", "1000"),
+        ("DEL", KEYS.tenant_limits(None)),
         ("SET", CAP, "1000000"),
         ("DEL", CAP),
         ("EXPIRE", CAP, "1"),
@@ -567,6 +572,59 @@ def test_producer_and_workers_serve_jobs_end_to_end_under_their_roles(
     assert holder.encode() not in admin.zrange(KEYS.workers(), 0, -1)
     producer.redis.close()
     later.redis.close()
+    acl.assert_no_denials()
+
+
+def test_bands_and_tenant_limits_work_under_the_roles(acl: AclServer, workers: Fleet) -> None:
+    """The operator sets tenant limits (`tokenfleet tenants set`); the producer's submit.lua
+    counts and refuses per tenant; the workers' pull.lua reads every band and accept.lua
+    puts a job whose tenant is at max_running back in its band: all without a denial."""
+    url = acl.url("operator")
+    done = cli(url, "tenants", "set", "acl-t", "--queued-share", "0.002", "--max-running", "1")
+    assert done.returncode == 0, done.stderr
+    producer = Producer.from_url(acl.url("producer"))
+    try:
+        # cap 1000 x 0.002: two of acl-t's jobs may wait at once
+        first = producer.submit(
+            job_id="acl-t-0",
+            prompt="hi",
+            max_new_tokens=600,
+            ignore_eos=True,
+            priority="batch",
+            tenant="acl-t",
+        )
+        wait_for(lambda: first.status().status == "running", 60, "acl-t's first job to start")
+        waiting = [
+            producer.submit(
+                job_id=f"acl-t-{i}",
+                prompt="hi",
+                max_new_tokens=4,
+                priority="batch",
+                tenant="acl-t",
+            )
+            for i in (1, 2)
+        ]
+        with pytest.raises(TenantQueueFull):
+            producer.submit(job_id="acl-t-3", prompt="hi", tenant="acl-t")
+        # another tenant's interactive job is served while acl-t runs its one job
+        other = producer.submit(
+            job_id="acl-u-0",
+            prompt="hi",
+            max_new_tokens=4,
+            priority="interactive",
+            tenant="acl-u",
+        )
+        assert other.result(timeout=60).finish_reason == FinishReason.LENGTH
+        assert acl.admin.zcard(KEYS.tenant_running("acl-t")) == 1
+        assert first.cancel()
+        for handle in waiting:
+            assert handle.result(timeout=60).finish_reason == FinishReason.LENGTH
+        listed = cli(url, "tenants", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert "acl-t" in listed.stdout
+    finally:
+        acl.admin.delete(KEYS.tenant_limits("acl-t"))
+        producer.redis.close()
     acl.assert_no_denials()
 
 

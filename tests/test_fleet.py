@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import redis
 import redis.asyncio as aredis
 
 from tokenfleet.fleet import (
     FleetCache,
     FleetView,
+    band_stats,
     decode_worker,
     live_workers,
+    queue_stats,
     read_workers,
     read_workers_async,
 )
@@ -134,3 +137,29 @@ def test_a_cached_view_is_trusted_for_its_ttl_only() -> None:
     view = cache.put(10.0, FleetView({"w": decode_worker("w", {b"model": b'"m"'})}))
     assert cache.get(10.5) is view
     assert cache.get(11.0) is None
+
+
+def test_queue_stats_read_each_band_and_a_missing_stream_is_empty(r: redis.Redis) -> None:
+    empty = {"depth": 0, "lag": None, "pending": 0, "consumers": 0}
+    for _ in range(2):
+        r.xadd(KEYS.jobs("m", "batch"), {"job_id": "x"})
+    r.xgroup_create(KEYS.jobs("m", "batch"), GROUP, id="0")
+    r.xreadgroup(GROUP, "w", {KEYS.jobs("m", "batch"): ">"}, count=1)
+    r.xadd(KEYS.jobs("m", "interactive"), {"job_id": "y"})  # no group yet
+    assert queue_stats(r, KEYS, "m", "batch") == {
+        "depth": 2,
+        "lag": 1,
+        "pending": 1,
+        "consumers": 1,
+    }
+    assert queue_stats(r, KEYS, "m", "interactive") == {**empty, "depth": 1}
+    assert queue_stats(r, KEYS, "m") == empty  # the default band: no stream at all
+    stats = band_stats(r, KEYS, ["m", "none"])
+    assert list(stats) == ["m", "none"]
+    assert list(stats["m"]) == ["interactive", "default", "batch"]  # highest first
+    assert stats["m"]["batch"]["pending"] == 1
+    assert stats["none"] == dict.fromkeys(("interactive", "default", "batch"), empty)
+
+    r.set(KEYS.jobs("bad"), "not a stream")  # any other error is raised, not hidden
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        queue_stats(r, KEYS, "bad")

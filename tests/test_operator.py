@@ -178,10 +178,14 @@ def status_json(redis_url: str) -> dict[str, Any]:
     return status
 
 
-def default_queue(status: dict[str, Any]) -> dict[str, Any]:
-    (queue,) = [q for q in status["queues"] if q["model"] == "default"]
-    assert queue["stream"] == KEYS.jobs()
+def band_queue(status: dict[str, Any], model: str, band: str) -> dict[str, Any]:
+    (queue,) = [q for q in status["queues"] if (q["model"], q["band"]) == (model, band)]
+    assert queue["stream"] == KEYS.jobs(model, band)
     return queue
+
+
+def default_queue(status: dict[str, Any]) -> dict[str, Any]:
+    return band_queue(status, "default", "default")
 
 
 def test_status_reports_depth_waiting_in_flight_dead_letters_and_workers(
@@ -219,6 +223,93 @@ def test_status_reports_depth_waiting_in_flight_dead_letters_and_workers(
     assert table.returncode == 0, table.stderr
     assert "dead letters: 1" in table.stdout
     assert "fake-consumer" in table.stdout
+
+
+def tables(output: str) -> dict[str, list[list[str]]]:
+    """The cells of each row of the Rich tables in `output`, by the first word of the
+    table's title ("queues", "tenants", "workers")."""
+    out: dict[str, list[list[str]]] = {}
+    rows: list[list[str]] = []
+    for line in output.splitlines():
+        if line.startswith("│"):
+            rows.append([cell.strip() for cell in line.split("│")[1:-1]])
+        elif line.strip() and line.lstrip()[0] not in "┏┃┡└":
+            rows = out.setdefault(line.split()[0], [])
+    return out
+
+
+def test_status_shows_each_band_of_each_model_and_the_tenants(
+    r: redis.Redis, redis_url: str
+) -> None:
+    # The bands' streams written directly (no worker, no submit script): 3 interactive
+    # jobs of which a worker read 1, 2 batch jobs of model "other"; no default-band stream.
+    r.sadd(KEYS.models(), "default", "other")
+    r.set(KEYS.queue_cap("other"), 50)
+    for i in range(3):
+        r.xadd(KEYS.jobs("default", "interactive"), {"job_id": f"i-{i}"})
+    r.xgroup_create(KEYS.jobs("default", "interactive"), GROUP, id="0")
+    assert r.xreadgroup(GROUP, "w", {KEYS.jobs("default", "interactive"): ">"}, count=1)
+    for i in range(2):
+        r.xadd(KEYS.jobs("other", "batch"), {"job_id": f"b-{i}"})
+
+    status = status_json(redis_url)
+    assert [(q["model"], q["band"]) for q in status["queues"]] == [
+        ("default", "default"),  # a model's default band first, as before bands
+        ("default", "interactive"),
+        ("default", "batch"),
+        ("other", "default"),
+        ("other", "interactive"),
+        ("other", "batch"),
+    ]
+    interactive = band_queue(status, "default", "interactive")
+    assert (interactive["depth"], interactive["waiting"], interactive["in_flight"]) == (3, 2, 1)
+    assert (interactive["consumers"], interactive["cap"]) == (1, 1000)
+    plain = default_queue(status)  # its stream does not exist: empty, not an error
+    assert (plain["depth"], plain["waiting"], plain["in_flight"], plain["lag"]) == (0, 0, 0, None)
+    batch = band_queue(status, "other", "batch")
+    assert (batch["depth"], batch["waiting"], batch["in_flight"], batch["cap"]) == (2, 2, 0, 50)
+    assert band_queue(status, "other", "interactive")["depth"] == 0
+    assert status["tenants"] == {}  # the old keys stay, the tenants come beside them
+    assert {"time", "prefix", "dead_letters", "workers"} <= set(status)
+
+    table = run_cli("status", "--redis-url", redis_url)
+    assert table.returncode == 0, table.stderr
+    shown = tables(table.stdout)
+    assert shown["queues"] == [
+        ["default", "interactive", "3", "2", "1", "1000", "1"],  # highest band first
+        ["default", "default", "0", "0", "0", "1000", "0"],
+        ["default", "batch", "0", "0", "0", "1000", "0"],
+        ["other", "interactive", "0", "0", "0", "50", "0"],
+        ["other", "default", "0", "0", "0", "50", "0"],
+        ["other", "batch", "2", "2", "0", "50", "0"],
+    ]
+    assert "tenants" not in shown  # no tenant yet: no tenants table
+
+    # Tenants as the scripts record them, and limits set by the operator.
+    r.zadd(KEYS.tenant_queued("acme", "other"), {"b-0": 1.0, "b-1": 1.0})
+    r.zadd(KEYS.tenant_running("acme", "default"), {"i-0": 1.0})
+    r.sadd(KEYS.tenants(), "acme", "default")
+    for name, limit in (("acme", "--queued-share=0.1"), ("*", "--max-running=2")):
+        done = run_cli("tenants", "set", name, limit, "--redis-url", redis_url)
+        assert done.returncode == 0, done.stderr
+
+    status = status_json(redis_url)
+    assert status["tenant_defaults"] == {"queued_share": None, "max_running": 2}
+    acme = status["tenants"]["acme"]
+    assert acme["effective"] == {"queued_share": 0.1, "max_running": 2}
+    assert acme["models"]["other"] == {"queued": 2, "running": 0, "queued_limit": 5}
+    assert acme["models"]["default"] == {"queued": 0, "running": 1, "queued_limit": 100}
+    assert status["tenants"]["default"]["models"]["default"]["queued"] == 0
+
+    table = run_cli("status", "--redis-url", redis_url)
+    assert table.returncode == 0, table.stderr
+    assert "tenants (2)   defaults (*): queued share -, max running 2" in table.stdout
+    assert tables(table.stdout)["tenants"] == [
+        # tenant, model, queued, running, queued limit, queued share, max running
+        ["acme", "default", "0", "1", "100", "0.1", "2 (*)"],
+        ["acme", "other", "2", "0", "5", "0.1", "2 (*)"],
+        ["default", "-", "0", "0", "-", "-", "2 (*)"],  # no jobs anywhere: one row
+    ]
 
 
 # --- up + Ctrl-C ------------------------------------------------------------------

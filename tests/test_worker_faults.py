@@ -5,6 +5,7 @@ on wall-clock time. Printed (run with -s): the kill -9 and garbage numbers."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import signal
@@ -23,6 +24,7 @@ from support import LostReplyProxy, RedisServer, wait_for
 
 from tokenfleet.errors import JobFailed, JobNotFound
 from tokenfleet.keys import GROUP, Keys
+from tokenfleet.lua import PULL_LUA
 from tokenfleet.model import load_model
 from tokenfleet.producer import JobHandle, Producer
 from tokenfleet.protocol import (
@@ -647,14 +649,15 @@ def test_lost_replies_and_failed_terminal_writes_lose_no_job(
 def test_a_read_reply_lost_in_transit_strands_no_job(
     redis_server: RedisServer, r: redis.Redis, tmp_path: Path
 ) -> None:
-    """The server hands entries to the worker (XREADGROUP >) but the reply never arrives:
-    the entries are pending to a live worker, which nobody else may claim. The worker
-    must notice (no silent client-side retry of the read) and re-read its pending list."""
+    """The server hands entries to the worker (pull.lua's XREADGROUP >) but the reply never
+    arrives: the entries are pending to a live worker, which nobody else may claim. The
+    worker must notice (no silent client-side retry of the read) and re-read its pending
+    list."""
     proxy = LostReplyProxy(redis_server.port)
     requests = greedy_jobs("lost-read", 5, seed=11, low=10, high=30)
     producer = Producer(r)
     handles = [producer.submit(req) for req in requests]
-    proxy.arm(b"XREADGROUP", b"\r\n$1\r\n>\r\n")
+    proxy.arm(b"EVALSHA", hashlib.sha1(PULL_LUA.encode()).hexdigest().encode())
     fleet = Fleet(proxy.url, tmp_path)
     try:
         worker = fleet.start("lost-read-w")

@@ -28,6 +28,7 @@ from tokenfleet.protocol import (
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.publish import queue_event
 from tokenfleet.worker.queue import (
+    Accepted,
     Delivery,
     TickReply,
     TickVerdict,
@@ -48,7 +49,7 @@ def submit(r: redis.Redis, n: int) -> list[JobHandle]:
 def worker(r: redis.Redis, name: str) -> WorkerQueue:
     queue = WorkerQueue(r, KEYS, name)
     queue.ensure_group()
-    queue.load_tick()
+    queue.load_scripts()
     return queue
 
 
@@ -58,6 +59,15 @@ def outcome(
     usage = Usage(prompt_tokens=3, completion_tokens=0)
     result = JobResult(job_id=job_id, finish_reason=reason, usage=usage, error=error)
     return result, FinishEvent(job_id=job_id, reason=reason, usage=usage, error=error)
+
+
+def _d(entry_id: str, job_id: str) -> Delivery:
+    """A delivery of the default band's stream, as a worker would hold it."""
+    return Delivery(entry_id, job_id, None, stream=STREAM)
+
+
+def verdicts(accepted: list[Accepted]) -> list[tuple[Verdict, bool]]:
+    return [(a.verdict, a.cancelled) for a in accepted]
 
 
 def _tick(queue: WorkerQueue, *writes: TickWrite) -> list[TickReply]:
@@ -75,7 +85,7 @@ def finish(
     queue: WorkerQueue, entry_id: str, job_id: str, result: JobResult, fin: FinishEvent
 ) -> bool:
     """The job's terminal write alone (a tick with no new events): True when it ended it."""
-    (reply,) = _tick(queue, TickWrite(entry_id, job_id, [], (result, fin)))
+    (reply,) = _tick(queue, TickWrite(_d(entry_id, job_id), job_id, [], (result, fin)))
     return reply.verdict is TickVerdict.DONE
 
 
@@ -142,7 +152,7 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     (handle,) = submit(r, 1)
     a = worker(r, "a")
     (d,) = a.read(1)
-    assert a.accept([d]) == [(Verdict.OK, False)]
+    assert verdicts(a.accept([d])) == [(Verdict.OK, False)]
     assert handle.status().status == "running" and handle.status().worker == "a"
 
     pubsub = r.pubsub(ignore_subscribe_messages=True)
@@ -182,7 +192,7 @@ def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
     a = worker(r, "a")
     (d,) = a.read(1)
     result, fin = outcome("job-0")
-    write = TickWrite(d.entry_id, "job-0", _tokens("job-0", range(1)), (result, fin))
+    write = TickWrite(d, "job-0", _tokens("job-0", range(1)), (result, fin))
     assert _tick(a, write) == [TickReply(TickVerdict.DONE, 1)]
     assert [type(e) for e in events(r, "job-0")] == [TokenEvent, FinishEvent]
     assert r.xlen(STREAM) == 0
@@ -191,7 +201,7 @@ def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
 def test_a_tick_refuses_mismatched_job_ids(r: redis.Redis) -> None:
     result, fin = outcome("job-0")
     with pytest.raises(ValueError):
-        _tick(worker(r, "a"), TickWrite("1-0", "job-1", [], (result, fin)))
+        _tick(worker(r, "a"), TickWrite(_d("1-0", "job-1"), "job-1", [], (result, fin)))
 
 
 # --- ownership and claims ---------------------------------------------------------
@@ -269,8 +279,8 @@ def test_entry_deleted_while_pending_comes_back_lost_and_can_be_dead_lettered(
     r.xdel(STREAM, gone.entry_id)  # an operator's XDEL/XTRIM
     claimed = b.claim_orphans(10, min_idle_ms=0)
     assert claimed == [
-        Delivery(gone.entry_id, None, None, deliveries=2, lost=True),
-        Delivery(kept.entry_id, "job-1", kept.payload, deliveries=2),
+        Delivery(gone.entry_id, None, None, deliveries=2, lost=True, stream=STREAM),
+        Delivery(kept.entry_id, "job-1", kept.payload, deliveries=2, stream=STREAM),
     ]
     assert pending(r) == [(kept.entry_id, "b")]
     assert b.dead_letter(claimed[0], "entry_deleted", "data deleted while pending") is True
@@ -279,7 +289,7 @@ def test_entry_deleted_while_pending_comes_back_lost_and_can_be_dead_lettered(
     assert fields[b"job_id"] == b"" and fields[b"payload"] == b""
     # A lost delivery is accepted only while the entry is nowhere: not when its data is
     # still there, nor while its (deleted) entry is pending to another consumer.
-    fake = Delivery(kept.entry_id, "job-1", None, deliveries=2, lost=True)
+    fake = Delivery(kept.entry_id, "job-1", None, deliveries=2, lost=True, stream=STREAM)
     assert a.dead_letter(fake, "entry_deleted", "x") is False
     c = worker(r, "c")
     Producer(r).submit(prompt="p", job_id="job-9")
@@ -341,7 +351,7 @@ def test_accept_serves_only_the_entry_the_submit_script_recorded(r: redis.Redis)
     assert handles[0].cancel()
     got = a.read(10)
     assert [d.job_id for d in got] == ["job-0", "job-1", "job-2", "job-0", "never"]
-    assert a.accept(got) == [
+    assert verdicts(a.accept(got)) == [
         (Verdict.OK, True),
         (Verdict.UNSUBMITTED, False),
         (Verdict.FINISHED, False),
@@ -361,32 +371,32 @@ def test_tick_appends_each_index_once_and_finishes_only_what_it_owns(r: redis.Re
     a, b = worker(r, "a"), worker(r, "b")
     d0, d1 = a.read(2)
     a.accept([d0, d1])
-    w0 = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(3)))
-    w1 = TickWrite(d1.entry_id, "job-1", _tokens("job-1", range(2)))
+    w0 = TickWrite(d0, "job-0", _tokens("job-0", range(3)))
+    w1 = TickWrite(d1, "job-1", _tokens("job-1", range(2)))
     assert _tick(a, w0, w1) == [TickReply(TickVerdict.OK, 3), TickReply(TickVerdict.OK, 2)]
     # A resync resends everything: only the missing indices are appended.
-    again = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(5)))
+    again = TickWrite(d0, "job-0", _tokens("job-0", range(5)))
     assert _tick(a, again) == [TickReply(TickVerdict.OK, 5)]
     assert [e.index for e in events(r, "job-0")] == [0, 1, 2, 3, 4]
     assert r.hget(KEYS.job("job-0"), "emitted") == b"5"
     # An event past a hole is not appended: the worker is told where to resend from.
-    hole = TickWrite(d1.entry_id, "job-1", _tokens("job-1", range(3, 4)))
+    hole = TickWrite(d1, "job-1", _tokens("job-1", range(3, 4)))
     assert _tick(a, hole) == [TickReply(TickVerdict.GAP, 2)]
     assert [e.index for e in events(r, "job-1")] == [0, 1]
     # Another worker never writes for a's jobs, whatever it sends.
-    assert _tick(b, TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(5, 9)))) == [
+    assert _tick(b, TickWrite(d0, "job-0", _tokens("job-0", range(5, 9)))) == [
         TickReply(TickVerdict.LOST, 0)
     ]
     result, fin = outcome("job-0")
     result = result.model_copy(update={"token_ids": [100 + i for i in range(5)]})
-    end = TickWrite(d0.entry_id, "job-0", [], (result, fin))
+    end = TickWrite(d0, "job-0", [], (result, fin))
     assert _tick(b, end) == [TickReply(TickVerdict.LOST, 0)]
     assert not r.exists(KEYS.result("job-0"))
     assert _tick(a, end) == [TickReply(TickVerdict.DONE, 5)]
     assert decode_result(r.get(KEYS.result("job-0"))) == result
     assert [type(e).__name__ for e in events(r, "job-0")] == ["TokenEvent"] * 5 + ["FinishEvent"]
     # Finished: a late tick (a paused worker waking up) writes nothing more.
-    late = TickWrite(d0.entry_id, "job-0", _tokens("job-0", range(7)), (result, fin))
+    late = TickWrite(d0, "job-0", _tokens("job-0", range(7)), (result, fin))
     assert _tick(a, late) == [TickReply(TickVerdict.LOST, 0)]
     assert len(events(r, "job-0")) == 6 and len(finish_events(r, "job-0")) == 1
     assert r.xlen(STREAM) == 1  # job-1 is still in flight
@@ -398,15 +408,15 @@ def test_tick_reports_cancel_and_fences_a_claimed_job(r: redis.Redis) -> None:
     (d,) = a.read(1)
     a.accept([d])
     assert handle.cancel()
-    assert _tick(a, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(1)))) == [
+    assert _tick(a, TickWrite(d, "job-0", _tokens("job-0", range(1)))) == [
         TickReply(TickVerdict.CANCEL, 1)
     ]
     # b takes the entry over (a's heartbeat expired): a's writes are refused from now on.
     r.xclaim(STREAM, GROUP, "b", 0, [d.entry_id])
-    assert _tick(a, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(4)))) == [
+    assert _tick(a, TickWrite(d, "job-0", _tokens("job-0", range(4)))) == [
         TickReply(TickVerdict.LOST, 0)
     ]
-    assert _tick(b, TickWrite(d.entry_id, "job-0", _tokens("job-0", range(2)))) == [
+    assert _tick(b, TickWrite(d, "job-0", _tokens("job-0", range(2)))) == [
         TickReply(TickVerdict.CANCEL, 2)
     ]
     assert [e.index for e in events(r, "job-0")] == [0, 1]
@@ -483,12 +493,12 @@ def test_redeliver_counts_a_retry_only_for_the_owner(r: redis.Redis) -> None:
     submit(r, 2)
     a, b = worker(r, "a"), worker(r, "b")
     mine, deleted = a.read(2)
-    assert a.redeliver(mine.entry_id) == 2
-    assert a.redeliver(mine.entry_id) == 3
-    assert b.redeliver(mine.entry_id) is None  # not b's
+    assert a.redeliver(mine) == 2
+    assert a.redeliver(mine) == 3
+    assert b.redeliver(mine) is None  # not b's
     assert pending(r)[0] == (mine.entry_id, "a")
     r.xdel(STREAM, deleted.entry_id)
-    assert a.redeliver(deleted.entry_id) is None
+    assert a.redeliver(deleted) is None
     result, fin = outcome("job-0")
     assert finish(a, mine.entry_id, "job-0", result, fin) is True
-    assert a.redeliver(mine.entry_id) is None  # finished
+    assert a.redeliver(mine) is None  # finished

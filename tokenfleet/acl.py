@@ -65,9 +65,17 @@ _SCRIPTS = {
 }
 _PIPELINED_SCRIPTS = {"script|exists": "redis-py checks scripts queued on a pipeline first"}
 # submit.lua's writes (reads are granted on every key): the jobs stream, the job hash,
-# the set of model names.
+# the set of model names, the tenant's queued set and the set of tenant names.
 _SUBMIT_WRITES = (
-    Scope(("jobs:*",), {"xadd": "submit.lua: the job's entry in its jobs stream"}),
+    Scope(("jobs:*",), {"xadd": "submit.lua: the job's entry in its band's jobs stream"}),
+    Scope(
+        ("tenant:*:queued:*",),
+        {
+            "zadd": "submit.lua: the job joins its tenant's queued set",
+            "zremrangebyscore": "submit.lua: drops queued-set members older than a job hash",
+        },
+    ),
+    Scope(("models", "tenants"), {"sadd": "submit.lua: the sets of model and tenant names"}),
     Scope(
         ("job:*",),
         {
@@ -75,7 +83,6 @@ _SUBMIT_WRITES = (
             "expire": "submit.lua: the job hash's TTL",
         },
     ),
-    Scope(("models",), {"sadd": "submit.lua: the set of model names"}),
     Scope(("job:*:cancel",), {"set": "cancel: the job's cancel flag"}),
 )
 _FOLLOW = {
@@ -85,6 +92,7 @@ _FOLLOW = {
     "xrange": "replaying the job's events",
     "xlen": "submit.lua: the queue depth; Producer.depth",
     "zrange": "live workers' names (capacity check before submit)",
+    "zcard": "submit.lua: the tenant's queued jobs",
     "subscribe": "the job's live channel",
 }
 
@@ -161,8 +169,12 @@ WORKER = Role(
         **_PIPELINED_SCRIPTS,
         "multi": "the heartbeat and leave transactions",
         "exec": "the heartbeat and leave transactions",
-        "xreadgroup": "reads new entries and its own pending list",
+        "xreadgroup": "reads new entries (pull.lua) and its own pending list",
         "xinfo|consumers": "finds consumers whose worker may be dead",
+        "xinfo|groups": "pull.lua: whether a band has entries not delivered yet",
+        "xrevrange": "pull.lua: a band's newest entry",
+        "zcard": "accept.lua: how many jobs the tenant runs",
+        "zscore": "accept.lua: whether the job is counted running already",
         "xpending": "scripts: who owns an entry (the write fence), claimable entries",
         "xrange": "tokens already emitted (resume); scripts: whether an entry still exists",
         "xlen": "--burst: whether the stream is empty",
@@ -180,8 +192,18 @@ WORKER = Role(
                 "xclaim": "scripts: claims dead workers' entries, counts a retry",
                 "xack": "scripts: acks a finished entry",
                 "xdel": "scripts: deletes a finished entry (XLEN = depth)",
+                "xadd": "accept.lua: puts a job whose tenant is at max_running back in its "
+                "band (only the entry its state records is the job)",
             },
         ),
+        _worker_scope(
+            ("tenant:*:queued:*", "tenant:*:running:*"),
+            {
+                "zadd": "accept.lua: a started job joins its tenant's running set",
+                "zrem": "scripts: a started or finished job leaves its tenant's sets",
+            },
+        ),
+        _worker_scope(("pulls:*",), {"hset": "pull.lua: the starvation guard's counts"}),
         _worker_scope(("job:*:events", "dead"), {"xadd": "job events; dead letters"}),
         _worker_scope(("job:*:result",), {"set": "scripts: the job's result"}),
         _worker_scope(
@@ -218,13 +240,16 @@ OPERATOR = Role(
         "xadd": "submit.lua (requeue)",
         "zrange": "worker names",
         "zrem": "prunes stale worker names",
+        "zadd": "submit.lua (requeue): the tenant's queued set",
+        "zcard": "tokenfleet tenants: queued and running jobs per tenant; submit.lua",
+        "zremrangebyscore": "submit.lua (requeue)",
         "hgetall": "worker hashes, job hashes (redis-cli)",
         "hget": "submit.lua (requeue)",
         "hmget": "a dead letter's job: is it still queued or running (requeue)",
-        "hset": "submit.lua (requeue)",
+        "hset": "submit.lua (requeue); tokenfleet tenants set",
         "expire": "submit.lua (requeue)",
         "sadd": "submit.lua (requeue)",
-        "del": "clears a requeued job's old state, result and events",
+        "del": "clears a requeued job's old state, result and events; a tenant's limits",
         "ttl": "a worker's heartbeat TTL (redis-cli)",
         "subscribe": "telemetry and a job's live channel (redis-cli)",
     },

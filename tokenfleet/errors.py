@@ -36,6 +36,22 @@ class QueueFull(TokenfleetError):
         self.stream = stream
 
 
+class TenantQueueFull(QueueFull):
+    """The job's tenant already has `depth` jobs of this model queued, its limit `cap`
+    (its `queued_share` of the queue cap): other tenants may still submit."""
+
+    def __init__(self, tenant: str, depth: int, cap: int, stream: str) -> None:
+        TokenfleetError.__init__(
+            self,
+            f"tenant {tenant!r} is at its queued-jobs limit on {stream}: "
+            f"{depth} of its jobs waiting, limit {cap}",
+        )
+        self.depth = depth
+        self.cap = cap
+        self.stream = stream
+        self.tenant = tenant
+
+
 class JobRejected(TokenfleetError):
     """The fleet refused the job (admission, invalid input); nothing was generated."""
 

@@ -1,6 +1,7 @@
 """The fleet as Redis shows it: which workers are alive and what they said of themselves,
-what they can hold, and how full each jobs stream is. One owner for that view: the
-producers, the gateway, `tokenfleet status`, the demo and the workers all read it here.
+what they can hold, and how full each jobs stream (one per model and priority band) is.
+One owner for that view: the producers, the gateway, `tokenfleet status`, the demo and
+the workers all read it here.
 
 A worker is alive while its heartbeat hash `keys.worker(name)` exists (WORKER_TTL_S);
 its name is in the sorted set `keys.workers()`, scored with the unix time of its last
@@ -22,7 +23,7 @@ import redis
 import redis.asyncio as aredis
 from redis.exceptions import ResponseError
 
-from tokenfleet.keys import DEFAULT_MODEL, GROUP, Keys
+from tokenfleet.keys import BANDS, DEFAULT_BAND, DEFAULT_MODEL, GROUP, Keys
 
 
 def text(value: Any) -> str:
@@ -242,16 +243,21 @@ class QueueStats(TypedDict):
     consumers: int
 
 
-def queue_stats(client: redis.Redis, keys: Keys, model: str | None = None) -> QueueStats:
-    """How full the model's jobs stream is, from XLEN and XINFO GROUPS."""
-    stream = keys.jobs(model)
-    stats = QueueStats(depth=int(client.xlen(stream)), lag=None, pending=0, consumers=0)
-    try:
-        groups = client.xinfo_groups(stream)
-    except ResponseError as exc:
-        if not is_missing_group(exc):
-            raise
+def _queue_band(pipe: Any, stream: str) -> None:
+    pipe.xlen(stream)
+    pipe.xinfo_groups(stream)
+
+
+def _band_stats(depth: Any, groups: Any) -> QueueStats:
+    """One stream's stats from its XLEN and XINFO GROUPS replies (or the errors Redis
+    answered in their place): a stream or group that does not exist yet is empty."""
+    if isinstance(depth, Exception):
+        raise depth
+    stats = QueueStats(depth=int(depth), lag=None, pending=0, consumers=0)
+    if isinstance(groups, ResponseError) and is_missing_group(groups):
         return stats
+    if isinstance(groups, Exception):
+        raise groups
     for group in groups:
         if text(group["name"]) == GROUP:
             lag = group.get("lag")
@@ -259,3 +265,31 @@ def queue_stats(client: redis.Redis, keys: Keys, model: str | None = None) -> Qu
             stats["pending"] = int(group["pending"])
             stats["consumers"] = int(group["consumers"])
     return stats
+
+
+def queue_stats(
+    client: redis.Redis, keys: Keys, model: str | None = None, band: str = DEFAULT_BAND
+) -> QueueStats:
+    """How full one band's jobs stream of the model is, from XLEN and XINFO GROUPS (one
+    round trip). A stream that does not exist yet is empty."""
+    name = model or DEFAULT_MODEL
+    return band_stats(client, keys, [name], bands=(band,))[name][band]
+
+
+def band_stats(
+    client: redis.Redis,
+    keys: Keys,
+    models: Iterable[str],
+    bands: Iterable[str] = BANDS,
+) -> dict[str, dict[str, QueueStats]]:
+    """`queue_stats` of each of `bands` (all of them, highest first, unless told) of every
+    model, in one round trip: model -> band -> stats, in the order asked."""
+    plan = [(model, band) for model in models for band in bands]
+    pipe = client.pipeline(transaction=False)
+    for model, band in plan:
+        _queue_band(pipe, keys.jobs(model, band))
+    replies = pipe.execute(raise_on_error=False)
+    out: dict[str, dict[str, QueueStats]] = {}
+    for i, (model, band) in enumerate(plan):
+        out.setdefault(model, {})[band] = _band_stats(replies[2 * i], replies[2 * i + 1])
+    return out

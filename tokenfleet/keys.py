@@ -4,7 +4,14 @@ No other module builds key strings. All keys live under one prefix (default
 ``tokenfleet:``) so several fleets can share a Redis. A job may name a model:
 each model has its own jobs stream (``<prefix>jobs:<model>``; jobs that name
 none go to ``<prefix>jobs:default``), so a mixed fleet routes by model without
-a key migration.
+a key migration. Each model's queue has three priority bands, one stream each:
+``jobs:<model>@interactive``, ``jobs:<model>`` (the default band, the stream a
+fleet had before bands existed) and ``jobs:<model>@batch``; workers pull the
+highest band first (lua/pull.lua).
+
+Every job belongs to a tenant (``default`` unless it names one). A tenant's queued
+and running jobs of a model are sorted sets of job ids, so their limits are checked
+in the same script that adds or starts the job, and a job counted twice is counted once.
 
 Redis Cluster note: the submit script touches the jobs stream, its cap and the
 job's state key together, so on a cluster they would need one hash slot; the
@@ -46,6 +53,28 @@ def _checked(job_id: str) -> str:
 DEFAULT_QUEUE_CAP = 1000
 GROUP = "workers"  # the one consumer group every worker of a jobs stream joins
 
+# Priority bands, highest first. A job names one (`GenerationRequest.priority`).
+BANDS = ("interactive", "default", "batch")
+DEFAULT_BAND = "default"
+# A band waiting while this many jobs were pulled from higher bands gets the next pull
+# (lua/pull.lua): under a saturating higher band, each waiting band below still gets
+# at least one pull in STARVATION_GUARD + 1.
+STARVATION_GUARD = 16
+
+DEFAULT_TENANT = "default"
+TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
+_TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def valid_tenant(name: str) -> bool:
+    return _TENANT_RE.fullmatch(name) is not None
+
+
+def _tenant(name: str) -> str:
+    if not valid_tenant(name):
+        raise ValueError(f"invalid tenant {name!r}: it must match {TENANT_PATTERN}")
+    return name
+
 
 @dataclass(frozen=True)
 class Keys:
@@ -54,13 +83,27 @@ class Keys:
     prefix: str = DEFAULT_PREFIX
 
     # --- the queue -------------------------------------------------------
-    def jobs(self, model: str | None = None) -> str:
-        """Stream of accepted, unfinished jobs. No TTL; never trimmed (XLEN = depth)."""
-        return f"{self.prefix}jobs:{model or DEFAULT_MODEL}"
+    def jobs(self, model: str | None = None, band: str = DEFAULT_BAND) -> str:
+        """Stream of accepted, unfinished jobs of one priority band. No TTL; never trimmed
+        (XLEN = that band's depth). The default band has no suffix."""
+        if band not in BANDS:
+            raise ValueError(f"unknown priority band {band!r}: one of {', '.join(BANDS)}")
+        base = f"{self.prefix}jobs:{model or DEFAULT_MODEL}"
+        return base if band == DEFAULT_BAND else f"{base}@{band}"
+
+    def bands(self, model: str | None = None) -> list[str]:
+        """The model's jobs streams, highest band first (the order workers pull in)."""
+        return [self.jobs(model, band) for band in BANDS]
 
     def queue_cap(self, model: str | None = None) -> str:
-        """String: the jobs stream's cap, shared by every producer. No TTL; absent = default."""
+        """String: the cap of each of the model's bands, shared by every producer. No TTL;
+        absent = default."""
         return f"{self.jobs(model)}:cap"
+
+    def pulls(self, model: str | None = None) -> str:
+        """Hash: band -> jobs pulled from higher bands while it waited (the starvation
+        guard's count, lua/pull.lua). No TTL."""
+        return f"{self.prefix}pulls:{model or DEFAULT_MODEL}"
 
     @property
     def group(self) -> str:
@@ -91,6 +134,26 @@ class Keys:
     def cancel(self, job_id: str) -> str:
         """String flag '1': the client asked to cancel. CANCEL_TTL_S."""
         return f"{self.prefix}job:{_checked(job_id)}:cancel"
+
+    # --- tenants -----------------------------------------------------------
+    def tenant_queued(self, tenant: str, model: str | None = None) -> str:
+        """Sorted set: the tenant's jobs of `model` waiting in a stream (id -> submit
+        time). Added by submit.lua, removed when a worker starts the job. No TTL."""
+        return f"{self.prefix}tenant:{_tenant(tenant)}:queued:{model or DEFAULT_MODEL}"
+
+    def tenant_running(self, tenant: str, model: str | None = None) -> str:
+        """Sorted set: the tenant's jobs of `model` a worker has started and not finished
+        (id -> start time). Added by accept.lua, removed by the job's terminal write."""
+        return f"{self.prefix}tenant:{_tenant(tenant)}:running:{model or DEFAULT_MODEL}"
+
+    def tenant_limits(self, tenant: str | None = None) -> str:
+        """Hash: a tenant's limits (`queued_share`, `max_running`); None = the limits of
+        every tenant without its own (`tenant:*:limits`). No TTL; set by operators."""
+        return f"{self.prefix}tenant:{'*' if tenant is None else _tenant(tenant)}:limits"
+
+    def tenants(self) -> str:
+        """Set of tenant names that have submitted a job or been given limits. No TTL."""
+        return f"{self.prefix}tenants"
 
     # --- the fleet -------------------------------------------------------
     def worker(self, name: str) -> str:

@@ -22,7 +22,12 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenfleet.errors import ProtocolError
-from tokenfleet.keys import JOB_ID_PATTERN, valid_job_id
+from tokenfleet.keys import (
+    DEFAULT_TENANT,
+    JOB_ID_PATTERN,
+    TENANT_PATTERN,
+    valid_job_id,
+)
 from tokenfleet.reasons import FinishReason
 
 SCHEMA_VERSION: Final = 1
@@ -64,6 +69,9 @@ def new_job_id() -> str:
 
 
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
+# The priority bands (keys.BANDS, highest first): which stream the job waits in.
+Priority = Literal["interactive", "default", "batch"]
+TenantName = Annotated[str, Field(pattern=TENANT_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 MetaInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what msgpack can carry
 MetaValue = str | MetaInt | float | bool | None
@@ -141,6 +149,11 @@ class GenerationRequest(_Message):
     # too): a tenant that must not learn from cache timing sends a secret of its own.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     structured: Structured | None = None  # constrain the output (JSON schema, regex, ...)
+    # Which band the job waits in: workers fleet-wide pull interactive before default
+    # before batch (with a starvation guard), and start it ahead of lower bands locally.
+    priority: Priority = "default"
+    # Whose job it is: the tenant's queued and running limits apply to it (keys.py).
+    tenant: TenantName = DEFAULT_TENANT
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(
         default_factory=dict, max_length=MAX_METADATA_ITEMS
     )

@@ -1,50 +1,116 @@
 """What an operator wants to know about a fleet, read from Redis alone.
 
 Everything here is also one `redis-cli` command away (docs/operations.md):
-depth = XLEN of a jobs stream, in flight = pending of its group, waiting =
-depth − in flight, dead letters = XLEN of the dead-letter stream, workers =
-the live worker hashes.
+depth = XLEN of a jobs stream (one per model and priority band), in flight =
+pending of its group, waiting = depth − in flight, dead letters = XLEN of the
+dead-letter stream, workers = the live worker hashes, a tenant's queued and running
+jobs = ZCARD of its sets, its limits = HGETALL of its limits hash.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
 from rich.console import Group
 from rich.table import Table
 
-from tokenfleet.fleet import live_workers, queue_stats, text
-from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_QUEUE_CAP, Keys
+from tokenfleet.fleet import band_stats, live_workers, text
+from tokenfleet.keys import BANDS, DEFAULT_BAND, DEFAULT_MODEL, DEFAULT_QUEUE_CAP, Keys
+from tokenfleet.tenants import (
+    DEFAULTS,
+    MAX_RUNNING,
+    QUEUED_SHARE,
+    TenantsReport,
+    read_tenants,
+)
+
+# The order of a model's entries in the JSON snapshot: the default band first (the
+# stream a model had before bands existed, so a reader of the first entry sees what it
+# saw before), then the others highest first. The table shows them highest first.
+_SNAPSHOT_BANDS = (DEFAULT_BAND, *(band for band in BANDS if band != DEFAULT_BAND))
+
+
+def fleet_models(client: redis.Redis, keys: Keys) -> list[str]:
+    """Every model that has had a jobs stream, and the default model, sorted."""
+    return sorted({text(m) for m in client.smembers(keys.models())} | {DEFAULT_MODEL})
+
+
+def queue_caps(client: redis.Redis, keys: Keys, models: Iterable[str]) -> dict[str, int]:
+    """Each model's queue cap (the cap of each of its bands), in one round trip."""
+    wanted = list(models)
+    pipe = client.pipeline(transaction=False)
+    for model in wanted:
+        pipe.get(keys.queue_cap(model))
+    caps = pipe.execute()
+    return {
+        model: DEFAULT_QUEUE_CAP if cap is None else int(cap)
+        for model, cap in zip(wanted, caps, strict=True)
+    }
+
+
+def tenants_snapshot(report: TenantsReport, caps: Mapping[str, int]) -> dict[str, Any]:
+    """The JSON-safe tenants part of a snapshot: the `*` limits, and every tenant's own
+    limits, the limits that apply to it (own over `*`) and its jobs of each model, with
+    the queued limit that model's cap gives it (None: no limit)."""
+    return {
+        "tenant_defaults": report.defaults.as_dict(),
+        "tenants": {
+            name: {
+                "limits": view.own.as_dict(),
+                "effective": view.limits.as_dict(),
+                "models": {
+                    model: {
+                        "queued": usage.queued,
+                        "running": usage.running,
+                        "queued_limit": view.limits.queued_limit(caps[model]),
+                    }
+                    for model, usage in view.usage.items()
+                },
+            }
+            for name, view in report.tenants.items()
+        },
+    }
+
+
+def read_tenants_snapshot(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+    """`tenants_snapshot` read from Redis: what `tokenfleet tenants --json` prints."""
+    models = fleet_models(client, keys)
+    return tenants_snapshot(read_tenants(client, keys, models), queue_caps(client, keys, models))
 
 
 def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
-    """A JSON-safe snapshot: every jobs stream, the dead letters, every live worker."""
-    models = sorted({text(m) for m in client.smembers(keys.models())} | {DEFAULT_MODEL})
+    """A JSON-safe snapshot: every jobs stream (one entry per model and band, each with
+    the model's cap), the dead letters, every live worker, and the tenants."""
+    models = fleet_models(client, keys)
+    caps = queue_caps(client, keys, models)
+    stats = band_stats(client, keys, models, _SNAPSHOT_BANDS)
     queues = []
     for model in models:
-        stats = queue_stats(client, keys, model)
-        cap = client.get(keys.queue_cap(model))
-        depth, pending = stats["depth"], stats["pending"]
-        queues.append(
-            {
-                "model": model,
-                "stream": keys.jobs(model),
-                "depth": depth,
-                "waiting": max(0, depth - pending),  # pending may count deleted entries
-                "in_flight": pending,
-                "lag": stats["lag"],
-                "consumers": stats["consumers"],
-                "cap": int(cap) if cap is not None else DEFAULT_QUEUE_CAP,
-            }
-        )
+        for band, band_queue in stats[model].items():
+            depth, pending = band_queue["depth"], band_queue["pending"]
+            queues.append(
+                {
+                    "model": model,
+                    "band": band,
+                    "stream": keys.jobs(model, band),
+                    "depth": depth,
+                    "waiting": max(0, depth - pending),  # pending may count deleted entries
+                    "in_flight": pending,
+                    "lag": band_queue["lag"],
+                    "consumers": band_queue["consumers"],
+                    "cap": caps[model],
+                }
+            )
     return {
         "time": time.time(),
         "prefix": keys.prefix,
         "queues": queues,
         "dead_letters": int(client.xlen(keys.dead_letters())),
         "workers": live_workers(client, keys),
+        **tenants_snapshot(read_tenants(client, keys, models), caps),
     }
 
 
@@ -53,19 +119,25 @@ def _mib(value: Any) -> str:
 
 
 def render_status(status: dict[str, Any]) -> Group:
-    """Two tables: the queues and the workers."""
+    """The queues table (a row per model and band), the tenants table when there is more
+    than the default tenant without limits, and the workers table."""
     queues = Table(title=f"queues ({status['prefix']}*)   dead letters: {status['dead_letters']}")
-    for column in ("model", "depth", "waiting", "in flight", "cap", "consumers"):
-        queues.add_column(column, justify="left" if column == "model" else "right")
-    for q in status["queues"]:
+    for column in ("model", "band", "depth", "waiting", "in flight", "cap", "consumers"):
+        queues.add_column(column, justify="left" if column in ("model", "band") else "right")
+    rank = {band: i for i, band in enumerate(BANDS)}
+    for q in sorted(status["queues"], key=lambda q: (q["model"], rank.get(q.get("band"), 0))):
         queues.add_row(
             q["model"],
+            str(q.get("band", DEFAULT_BAND)),
             str(q["depth"]),
             str(q["waiting"]),
             str(q["in_flight"]),
             str(q["cap"]),
             str(q["consumers"]),
         )
+    tables: list[Table] = [queues]
+    if tenants_notable(status):
+        tables.append(render_tenants(status))
     workers = Table(title=f"workers ({len(status['workers'])} live)")
     columns = (
         "worker",
@@ -101,7 +173,8 @@ def render_status(status: dict[str, Any]) -> Group:
             _prefix_hit(w),
             str(finished),
         )
-    return Group(queues, workers)
+    tables.append(workers)
+    return Group(*tables)
 
 
 def _prefix_hit(worker: dict[str, Any]) -> str:
@@ -110,3 +183,59 @@ def _prefix_hit(worker: dict[str, Any]) -> str:
         return "off"
     rate = worker.get("prefix_cache_hit_rate")
     return "-" if not isinstance(rate, int | float) else f"{100 * rate:.0f}%"
+
+
+# ---- tenants ------------------------------------------------------------------------
+
+
+def tenants_notable(snapshot: Mapping[str, Any]) -> bool:
+    """A tenant other than `default`, or any limits set (own or `*`)."""
+    tenants: Mapping[str, Any] = snapshot.get("tenants") or {}
+    limits = [snapshot.get("tenant_defaults") or {}] + [t["limits"] for t in tenants.values()]
+    return any(name != "default" for name in tenants) or any(
+        value is not None for entry in limits for value in entry.values()
+    )
+
+
+def _limit(tenant: Mapping[str, Any], field: str) -> str:
+    """A limit's value, marked `(*)` when it comes from the default limits; `-` unset."""
+    value = tenant["effective"][field]
+    if value is None:
+        return "-"
+    return f"{value:g}" + (" (*)" if tenant["limits"][field] is None else "")
+
+
+def _defaults_line(defaults: Mapping[str, Any]) -> str:
+    share, most = defaults.get(QUEUED_SHARE), defaults.get(MAX_RUNNING)
+    if share is None and most is None:
+        return "none"
+    parts = [f"queued share {share:g}" if share is not None else "queued share -"]
+    parts.append(f"max running {most}" if most is not None else "max running -")
+    return ", ".join(parts)
+
+
+def render_tenants(snapshot: Mapping[str, Any]) -> Table:
+    """A row per tenant and model it has jobs of (a tenant with none: one row, model
+    `-`): queued, running, and the limits that apply (`(*)`: from the defaults)."""
+    defaults = _defaults_line(snapshot.get("tenant_defaults") or {})
+    tenants: Mapping[str, Any] = snapshot.get("tenants") or {}
+    table = Table(title=f"tenants ({len(tenants)})   defaults ({DEFAULTS}): {defaults}")
+    columns = ("tenant", "model", "queued", "running", "queued limit", "queued share")
+    for column in (*columns, "max running"):
+        table.add_column(column, justify="left" if column in ("tenant", "model") else "right")
+    for name, tenant in sorted(tenants.items()):
+        models: Mapping[str, Any] = tenant["models"]
+        busy = {m: u for m, u in sorted(models.items()) if u["queued"] or u["running"]}
+        rows = busy.items() if busy else [("-", {"queued": 0, "running": 0, "queued_limit": None})]
+        for model, usage in rows:
+            limit = usage["queued_limit"]
+            table.add_row(
+                name,
+                model,
+                str(usage["queued"]),
+                str(usage["running"]),
+                "-" if limit is None else str(limit),
+                _limit(tenant, QUEUED_SHARE),
+                _limit(tenant, MAX_RUNNING),
+            )
+    return table

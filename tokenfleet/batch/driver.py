@@ -8,9 +8,10 @@ repeat after a crash:
 
     validating   parse the input file: unusable -> failed (with the lines' errors);
                  else in_progress, every request counted, invalid bodies already failed
-    in_progress  submit the next lines while the batch has fewer than `max_in_flight`
-                 jobs out and the model's queue is under `queue_share` of its cap (a
-                 full queue means wait, never fail); read the results of jobs out
+    in_progress  submit the next lines, in the batch priority band for the batch's
+                 tenant, while the batch has fewer than `max_in_flight` jobs out and the
+                 model's batch band is under `queue_share` of its cap (a full band or a
+                 tenant at its limit means wait, never fail); read the results of jobs out
                  (one MGET), write each line's output as it ends; all done -> finalizing
     finalizing   write the output and error files in line order -> completed
     cancelling   cancel the jobs out, wait for their ends -> cancelled (partial files)
@@ -43,20 +44,21 @@ from tokenfleet.batch.format import (
     succeeded,
     to_request,
 )
-from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id
+from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id, tenant_of
 from tokenfleet.errors import QueueFull
 from tokenfleet.fleet import FleetView, read_workers_async
 from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.producer import AsyncProducer
-from tokenfleet.protocol import decode_result
+from tokenfleet.protocol import Priority, decode_result
 
 log = logging.getLogger(__name__)
+BATCH_BAND: Priority = "batch"  # the band every line of a /v1/batches batch waits in
 
 
 @dataclass(frozen=True)
 class DriverConfig:
     max_in_flight: int = 64  # jobs one batch may have out at once
-    queue_share: float = 0.5  # submit only while the model's queue is under this much of its cap
+    queue_share: float = 0.5  # submit only while the batch band is under this much of its cap
     poll_s: float = 0.25  # between steps of a batch
     scan_s: float = 1.0  # between looks for batches to drive
     chat_max_tokens: int = 256
@@ -250,9 +252,16 @@ class Run:
                 break  # the queue is busy: wait, leave room for interactive work
             served = view.models.get(model)
             try:
-                job = to_request(self.id, line, served, chat_max_tokens=self.config.chat_max_tokens)
+                job = to_request(
+                    self.id,
+                    line,
+                    served,
+                    chat_max_tokens=self.config.chat_max_tokens,
+                    tenant=tenant_of(doc),
+                    priority=BATCH_BAND,
+                )
                 await self.producer.submit(job, capacity=served.max_job_tokens if served else None)
-            except QueueFull:
+            except QueueFull:  # the band, or the tenant's limit (TenantQueueFull)
                 break  # not the batch's fault: retry on the next step
             except SUBMIT_REFUSALS as exc:
                 failed[line.index] = refused_line(self.id, line, exc)
@@ -267,11 +276,12 @@ class Run:
         doc["tokenfleet_submitted"] = self.next
 
     async def _room(self, model: str) -> int:
-        """How many more jobs the model's queue takes before it is `queue_share` full."""
+        """How many more jobs the model's batch band takes before it is `queue_share` full
+        (each band has the model's cap)."""
         stream_model = None if model == DEFAULT_MODEL else model
         raw = await self.producer.redis.get(self.producer.keys.queue_cap(stream_model))
         cap = int(raw) if raw is not None else self.producer.default_cap
-        depth = await self.producer.depth(stream_model)
+        depth = await self.producer.depth(stream_model, BATCH_BAND)
         return math.ceil(cap * self.config.queue_share) - depth
 
     async def _finish(self, doc: dict[str, Any], status: str) -> dict[str, Any]:

@@ -9,6 +9,9 @@ request is one failed request, reported in the error file. Output lines are
 
 Job ids are derived from the batch id and the line number, so a driver that restarts
 never submits a line twice: the fleet's submit script refuses a job id it knows.
+
+A batch's jobs wait in the batch priority band (interactive and default work overtakes
+them) under the batch's tenant; a line's own `service_tier` / `priority` is ignored.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from tokenfleet.gateway.openai_models import (
     job_from_openai,
 )
 from tokenfleet.gateway.render import Renderer
-from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult
+from tokenfleet.keys import DEFAULT_TENANT
+from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, Priority
 from tokenfleet.reasons import FinishReason
 
 Kind = Literal["completions", "chat"]
@@ -172,10 +176,13 @@ def to_request(
     served: ServedModel | None,
     *,
     chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    tenant: str = DEFAULT_TENANT,
+    priority: Priority = "batch",
 ) -> GenerationRequest:
-    """The fleet job of a valid line: id `job_id_for(batch_id, line.index)`, the served
-    model's sampling defaults where the body leaves them unset (raises pydantic's
-    ValidationError where the job's own limits refuse the body)."""
+    """The fleet job of a valid line: id `job_id_for(batch_id, line.index)`, in band
+    `priority` for `tenant`, the served model's sampling defaults where the body leaves
+    them unset (raises pydantic's ValidationError where the job's own limits refuse the
+    body)."""
     assert line.body is not None
     body = line.body
     asked = body.max_tokens
@@ -197,6 +204,8 @@ def to_request(
         max_tokens=asked,
         sampling_defaults=served.sampling_defaults if served else None,
         metadata=meta,
+        priority=priority,
+        tenant=tenant,
     )
 
 

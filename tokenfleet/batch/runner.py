@@ -2,7 +2,8 @@
 
 No gateway and no upload: lines are read from disk, submitted as the queue has room
 (the same rule as the gateway's driver: at most `max_in_flight` out, and only while the
-queue is under `queue_share` of its cap), and each result is appended to the output
+band they wait in, `priority`, is under `queue_share` of its cap; a tenant at its limit
+means wait too), for `tenant`, and each result is appended to the output
 file the moment it is in, flushed. Job ids come from the input file's content and the
 line number, so a run stopped by Ctrl-C (or a crash) and started again skips the lines
 already in the output, picks up the jobs still running in the fleet (their resubmission
@@ -32,9 +33,9 @@ from tokenfleet.batch.format import (
 )
 from tokenfleet.errors import QueueFull
 from tokenfleet.fleet import FleetView, read_workers
-from tokenfleet.keys import DEFAULT_MODEL
+from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT
 from tokenfleet.producer import Producer
-from tokenfleet.protocol import decode_result
+from tokenfleet.protocol import Priority, decode_result
 
 
 @dataclass
@@ -91,6 +92,8 @@ def run_batch(
     max_in_flight: int = 64,
     queue_share: float = 0.5,
     chat_max_tokens: int = 256,
+    tenant: str = DEFAULT_TENANT,
+    priority: Priority = "batch",
     on_progress: Callable[[Progress], None] | None = None,
     poll_s: float = 0.1,
 ) -> Progress:
@@ -132,16 +135,22 @@ def run_batch(
                 model = line.body.model
                 if model not in room:
                     stream_model = None if model == DEFAULT_MODEL else model
-                    cap = producer.queue_cap(stream_model)
-                    room[model] = math.ceil(cap * queue_share) - producer.depth(stream_model)
+                    cap = producer.queue_cap(stream_model)  # each band's
+                    depth = producer.depth(stream_model, priority)
+                    room[model] = math.ceil(cap * queue_share) - depth
                 if room[model] <= 0:
                     break
                 try:
                     job = to_request(
-                        batch_id, line, fleet.models.get(model), chat_max_tokens=chat_max_tokens
+                        batch_id,
+                        line,
+                        fleet.models.get(model),
+                        chat_max_tokens=chat_max_tokens,
+                        tenant=tenant,
+                        priority=priority,
                     )
                     producer.submit(job)
-                except QueueFull:
+                except QueueFull:  # the band, or the tenant's limit: wait
                     break
                 except SUBMIT_REFUSALS as exc:
                     write(refused_line(batch_id, line, exc), False)
@@ -163,7 +172,7 @@ def run_batch(
             progress.in_flight = len(out)
             if on_progress is not None:
                 on_progress(progress)
-            if out:
+            if out or queue:  # waiting for results, or for room
                 time.sleep(poll_s)
     return progress
 

@@ -5,7 +5,9 @@ Keys (under the fleet's prefix P):
     P file:ID            hash: the file object (id, bytes, created_at, filename, purpose)
     P file:ID:content    string: the bytes (at most `max_file_bytes`)
     P files              zset: file ids by creation time
-    P batch:ID           hash: `doc` (the batch object, JSON), `cancel` (a cancel request)
+    P batch:ID           hash: `doc` (the batch object, JSON, with the driver's own
+                         `tokenfleet_*` fields: the creator's tenant, lines submitted),
+                         `cancel` (a cancel request)
     P batch:ID:results   hash: line index -> its output or error line (JSON), as lines end
     P batch:ID:lease     string: the gateway driving the batch (lua/lease.lua; renewed)
     P batches            zset: batch ids by creation time
@@ -27,12 +29,20 @@ from typing import Any
 
 import redis.asyncio as aredis
 
-from tokenfleet.keys import Keys
+from tokenfleet.keys import DEFAULT_TENANT, Keys
 from tokenfleet.lua import LEASE_LUA
 
 LEASE_MS = 15_000  # a driver that stops renewing loses its batches after this long
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+TENANT_FIELD = "tokenfleet_tenant"  # in a batch's doc: whose jobs its lines become
+
+
+def tenant_of(doc: dict[str, Any]) -> str:
+    """The tenant a batch's jobs run for (`default` for batches made before tenants)."""
+    return str(doc.get(TENANT_FIELD) or DEFAULT_TENANT)
 
 
 class FileTooLarge(ValueError):
@@ -124,7 +134,9 @@ class BatchStore:
 
     # ---- batches ----------------------------------------------------------------------
 
-    async def create_batch(self, doc: dict[str, Any]) -> None:
+    async def create_batch(self, doc: dict[str, Any], tenant: str = DEFAULT_TENANT) -> None:
+        """Store a new batch, its jobs to run for `tenant` (the creating API key's)."""
+        doc = {**doc, TENANT_FIELD: tenant}
         key = self.batch_key(doc["id"])
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"doc": json.dumps(doc)})
@@ -206,4 +218,13 @@ class BatchStore:
         )
 
 
-__all__ = ["LEASE_MS", "TERMINAL", "BatchStore", "FileTooLarge", "NotFound", "new_id"]
+__all__ = [
+    "LEASE_MS",
+    "TENANT_FIELD",
+    "TERMINAL",
+    "BatchStore",
+    "FileTooLarge",
+    "NotFound",
+    "new_id",
+    "tenant_of",
+]

@@ -13,7 +13,7 @@ import sys
 
 import typer
 
-from tokenfleet.cli import admin, batch, fleet, gateway, jobs, worker
+from tokenfleet.cli import admin, batch, fleet, gateway, jobs, tenants, worker
 
 __all__ = ["app", "main"]
 
@@ -33,6 +33,7 @@ app.command("status")(fleet.status)
 app.command("top")(fleet.top)
 app.command("up")(fleet.up)
 app.command("dead-letters")(jobs.dead_letters)
+app.add_typer(tenants.app, name="tenants")
 app.command("gateway")(gateway.gateway)
 app.command(
     "bench",

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
 from tokenfleet.cli.common import Prefix, RedisUrl, connect_producer, fail
+from tokenfleet.keys import BANDS, DEFAULT_TENANT, TENANT_PATTERN, valid_tenant
+
+if TYPE_CHECKING:
+    from tokenfleet.protocol import Priority
 
 app = typer.Typer(help="OpenAI-style batch files, straight through a producer (no gateway).")
 
@@ -26,6 +30,12 @@ def run(
     queue_share: Annotated[
         float, typer.Option("--queue-share", help="submit only under this share of the queue cap")
     ] = 0.5,
+    tenant: Annotated[
+        str, typer.Option("--tenant", help="whose jobs they are (the tenant's limits apply)")
+    ] = DEFAULT_TENANT,
+    priority: Annotated[
+        str, typer.Option("--priority", help=f"the band the jobs wait in: {', '.join(BANDS)}")
+    ] = "batch",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")] = False,
     redis_url: RedisUrl = None,
     prefix: Prefix = None,
@@ -45,6 +55,10 @@ def run(
 
     if max_in_flight < 1 or not 0 < queue_share <= 1:
         raise fail("--max-in-flight must be >= 1 and --queue-share in (0, 1]")
+    if not valid_tenant(tenant):
+        raise fail(f"--tenant {tenant!r} does not match {TENANT_PATTERN}")
+    if priority not in BANDS:
+        raise fail(f"--priority {priority!r} is not one of {', '.join(BANDS)}")
     _, producer = connect_producer(redis_url, prefix)
     bar = Progress(
         TextColumn("[bold]batch[/]"),
@@ -78,6 +92,8 @@ def run(
                 endpoint=endpoint,
                 max_in_flight=max_in_flight,
                 queue_share=queue_share,
+                tenant=tenant,
+                priority=cast("Priority", priority),
                 on_progress=show,
             )
         except BatchInputError as exc:

@@ -1,7 +1,9 @@
 """`tokenfleet gateway`: serve the OpenAI-compatible HTTP API.
 
 API keys come from `--api-key` (repeatable) and `$TOKENFLEET_API_KEYS`
-(comma-separated), read here at the edge. The limits (queue timeout, body size,
+(comma-separated), read here at the edge; each is `KEY`, `KEY=TENANT` or
+`KEY=TENANT:PRIORITY` (gateway/auth.py), and a bad one stops the start naming its
+position, never the key. The limits (queue timeout, body size,
 connections, keep-alive) default to `Settings` (`$TOKENFLEET_GATEWAY_*`); a flag
 given takes precedence. Without a key the gateway only binds a
 loopback address, unless `--insecure-no-auth` says otherwise.
@@ -42,7 +44,8 @@ def gateway(
         list[str] | None,
         typer.Option(
             "--api-key",
-            help=f"accepted bearer token (repeatable; also ${API_KEYS_ENV}, comma-separated)",
+            help="accepted bearer token: KEY, KEY=TENANT or KEY=TENANT:PRIORITY (priority: "
+            f"interactive, default or batch); repeatable; also ${API_KEYS_ENV}, comma-separated",
         ),
     ] = None,
     insecure_no_auth: Annotated[
@@ -137,7 +140,8 @@ def gateway(
         )
     except ValueError as exc:  # pydantic's ValidationError (bad $TOKENFLEET_*) is one too
         raise fail(str(exc)) from None
-    auth = f"{len(keys)} API key(s)" if keys else "no auth"
+    tenants = sorted({key.caller.tenant for key in config.parsed_keys})
+    auth = f"{len(keys)} API key(s), tenants {', '.join(tenants)}" if keys else "no auth"
     typer.echo(f"tokenfleet gateway on http://{host}:{port} ({auth}; fleet prefix {config.prefix})")
     # enough listen backlog for a burst of clients connecting at once
     uvicorn.run(create_app(config), host=host, port=port, log_level=log_level, backlog=4096)

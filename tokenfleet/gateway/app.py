@@ -1,7 +1,8 @@
 """The gateway's FastAPI app: routes, API keys, error bodies, metrics.
 
 `create_app(settings)` builds it; `service.Gateway` does the work of each
-completion request. Redis is reached through one bounded pool of command
+completion request; `auth.KeyCheck` says which API key (tenant, default priority)
+sent it. Redis is reached through one bounded pool of command
 connections that requests wait for (never "Too many connections") and the
 `Subscriber`'s few pub/sub connections, which every stream shares. docs/http.md
 is the reference for clients.
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import Settings
-from tokenfleet.gateway.errors import ApiError, unauthorized
+from tokenfleet.gateway.auth import KeyCheck
+from tokenfleet.gateway.errors import ApiError
 from tokenfleet.gateway.limits import BodyLimit
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestCounter
 from tokenfleet.gateway.openai_models import ModelCard, ModelList
@@ -45,7 +46,7 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         settings if isinstance(settings, GatewayConfig) else GatewayConfig.from_settings(settings)
     )
     metrics = GatewayMetrics()
-    keys = [key.encode() for key in config.api_keys]
+    require_key = KeyCheck(config.parsed_keys)  # leaves request.state.caller
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -98,21 +99,6 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
     def gateway_of(request: Request) -> Gateway:
         gw: Gateway = request.app.state.gateway
         return gw
-
-    async def require_key(request: Request) -> None:
-        if not keys:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        given = token.strip().encode()
-        # compare with every key, always: the time taken says nothing about which matched
-        matched = False
-        for key in keys:
-            matched |= hmac.compare_digest(given, key)
-        if not matched:
-            raise unauthorized("invalid API key")
 
     app = FastAPI(
         title="tokenfleet gateway",
@@ -203,9 +189,11 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
     app.include_router(batches_router(lambda request: request.app.state.batch_store, authed))
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        gw = gateway_of(request)
+        await metrics.refresh_fleet(gw.redis, gw.keys)  # the fleet-wide gauges, from Redis
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

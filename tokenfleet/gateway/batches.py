@@ -1,7 +1,8 @@
 """/v1/files and /v1/batches in OpenAI's shapes, over `tokenfleet.batch` (docs/http.md).
 
 The routes only read and write the batch's state in Redis; the gateway's `BatchDriver`
-(any replica's) runs the batch."""
+(any replica's) runs the batch, at batch priority, for the tenant of the API key that
+created it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenfleet.batch.format import ENDPOINTS
 from tokenfleet.batch.store import TERMINAL, BatchStore, FileTooLarge, NotFound, new_id
+from tokenfleet.gateway.auth import caller_of
 from tokenfleet.gateway.errors import ApiError
 
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
@@ -174,7 +176,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": metadata or None,
         }
-        await s.create_batch(doc)
+        await s.create_batch(doc, tenant=caller_of(request).tenant)
         return JSONResponse(doc)
 
     @api.get("/v1/batches/{batch_id}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from tokenfleet.errors import QueueFull, TenantQueueFull
 from tokenfleet.gateway.openai_models import ErrorBody, ErrorDetail
 from tokenfleet.protocol import FinishEvent
 from tokenfleet.reasons import AdmissionReason, FinishReason
@@ -104,6 +105,28 @@ def from_finish(finish: FinishEvent, retry_after_s: int) -> ApiError:
     if reason == AdmissionReason.REJECTED_DUPLICATE:
         return ApiError(409, message, code=reason)
     return ApiError(400, f"the fleet rejected the request ({reason}): {message}", code=reason)
+
+
+def from_queue_full(exc: QueueFull, model: str, retry_after_s: int) -> ApiError:
+    """A submit refused for room: the tenant at its own limit (`tenant_queue_full`: other
+    tenants still get in) or the band's stream at its cap (`queue_full`: nobody does)."""
+    headers = {"Retry-After": str(retry_after_s)}
+    if isinstance(exc, TenantQueueFull):
+        return ApiError(
+            429,
+            f"tenant {exc.tenant!r} is at its limit of queued jobs for model {model!r} "
+            f"({exc.depth} queued, limit {exc.cap}): retry later",
+            type="rate_limit_error",
+            code="tenant_queue_full",
+            headers=headers,
+        )
+    return ApiError(
+        429,
+        f"the queue for model {model!r} is full ({exc.depth} jobs, cap {exc.cap}): retry later",
+        type="rate_limit_error",
+        code="queue_full",
+        headers=headers,
+    )
 
 
 def unauthorized(message: str) -> ApiError:

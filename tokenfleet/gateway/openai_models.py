@@ -7,7 +7,12 @@ names the OpenAI field (``max_tokens``), not the protocol one
 logprobs, several prompts) are refused rather than ignored.
 
 Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``ignore_eos``,
-``stop_token_ids``.
+``stop_token_ids``, ``priority``.
+
+Priority: OpenAI's ``service_tier`` ("auto" / "default": the API key's own default
+band; "priority": interactive; "flex": batch) or vLLM's integer ``priority`` (lower is
+more urgent: < 0 interactive, 0 the key's default, > 0 batch). Both may be given only
+when they agree.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
 )
 
-from tokenfleet.keys import DEFAULT_MODEL
+from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT
 from tokenfleet.protocol import (
     MAX_CACHE_SALT_CHARS,
     MAX_GRAMMAR_CHARS,
@@ -42,12 +48,32 @@ from tokenfleet.protocol import (
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
     GenerationRequest,
+    Priority,
 )
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+
+ServiceTier = Literal["auto", "default", "priority", "flex"]
+# What a request's service_tier / priority asks for; KEY_DEFAULT: the API key's band.
+KEY_DEFAULT = "key_default"
+_TIER_ASKS: dict[str, str] = {
+    "auto": KEY_DEFAULT,
+    "default": KEY_DEFAULT,
+    "priority": "interactive",
+    "flex": "batch",
+}
+# The band a job ran in, as OpenAI names the tier in a response's `service_tier`.
+SERVICE_TIER_OF: dict[str, str] = {"interactive": "priority", "default": "default", "batch": "flex"}
+
+
+def _priority_asks(priority: int) -> str:
+    """vLLM's integer priority (lower is more urgent) as a band, or the key's default."""
+    if priority < 0:
+        return "interactive"
+    return "batch" if priority > 0 else KEY_DEFAULT
 
 
 # ---- requests -----------------------------------------------------------------------
@@ -109,6 +135,33 @@ class _GenerationParams(_Strict):
     # extensions, as vLLM names them: the whole output matches a regex / a Lark grammar
     guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
     guided_grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # which band the job waits in (module docstring); `service_tier` before `priority`,
+    # whose check reads it
+    service_tier: ServiceTier | None = None
+    priority: int | None = None  # extension, as vLLM's: lower is more urgent
+
+    @field_validator("priority")
+    @classmethod
+    def _agrees_with_tier(cls, value: int | None, info: ValidationInfo) -> int | None:
+        tier = info.data.get("service_tier")
+        if value is not None and tier is not None and _TIER_ASKS[tier] != _priority_asks(value):
+            raise ValueError(
+                f"priority={value} and service_tier={tier!r} ask for different priorities: "
+                "give one of them"
+            )
+        return value
+
+    def band(self, key_default: Priority) -> Priority:
+        """The band the job waits in: what `service_tier` or `priority` asks for, the API
+        key's `key_default` where they ask for the default or are not given."""
+        asked = KEY_DEFAULT
+        if self.service_tier is not None:
+            asked = _TIER_ASKS[self.service_tier]
+        elif self.priority is not None:
+            asked = _priority_asks(self.priority)
+        if asked == "interactive":
+            return "interactive"
+        return "batch" if asked == "batch" else key_default
 
     @model_validator(mode="after")
     def _one_constraint(self) -> _GenerationParams:
@@ -350,9 +403,13 @@ def job_from_openai(
     metadata: dict[str, Any] | None = None,
     deadline: float | None = None,
     queue_deadline: float | None = None,
+    priority: Priority = "default",
+    tenant: str = DEFAULT_TENANT,
 ) -> GenerationRequest:
-    """The fleet job for an OpenAI request (the gateway's and a batch line's). Raises
-    pydantic's ValidationError where the job's own limits refuse it."""
+    """The fleet job for an OpenAI request (the gateway's and a batch line's), in band
+    `priority` for `tenant` (the request's own service_tier / priority are the caller's
+    to resolve: `parsed.band`). Raises pydantic's ValidationError where the job's own
+    limits refuse it."""
     fields = {
         **parsed.prompt_fields(),
         **parsed.fleet_fields(max_tokens, sampling_defaults),
@@ -360,6 +417,8 @@ def job_from_openai(
         "model": None if parsed.model == DEFAULT_MODEL else parsed.model,
         "deadline": deadline,
         "queue_deadline": queue_deadline,
+        "priority": priority,
+        "tenant": tenant,
         "metadata": metadata or {},
     }
     return GenerationRequest.model_validate(fields)
@@ -422,6 +481,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: UsageOut
+    service_tier: str | None = None  # the band it ran in, as OpenAI names tiers
 
 
 class ChatDelta(_Out):
@@ -452,6 +512,7 @@ class ChatCompletionChunk(_Out):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageOut | None = None
+    service_tier: str | None = None
 
 
 class ModelCard(_Out):

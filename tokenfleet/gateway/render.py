@@ -63,6 +63,9 @@ class Renderer:
     job_id: str
     model: str
     created: int
+    # chat bodies and chunks name the band the job ran in, as OpenAI's name their tier
+    # ("default", "priority", "flex"); None: not said (null)
+    service_tier: str | None = None
 
     @property
     def id(self) -> str:
@@ -83,6 +86,7 @@ class Renderer:
                     )
                 ],
                 usage=usage_of(finish),
+                service_tier=self.service_tier,
             )
         return CompletionResponse(
             id=self.id,
@@ -150,6 +154,7 @@ class Renderer:
             model=self.model,
             choices=[choice] if choice is not None else [],
             usage=usage,
+            service_tier=self.service_tier,
         )
 
     def _completion_chunk(

@@ -2,7 +2,9 @@
 
 One request is one job: validate (400 naming the field) → route by `model` (404
 when live workers exist and none serves it) → refuse what no worker could ever
-hold (400) → submit (429 + Retry-After when the stream is at its cap). Then a
+hold (400) → submit, in the band the request or its API key asks for and under the
+key's tenant (429 + Retry-After when the band's stream is at its cap, or the tenant at
+its limit of queued jobs). Then a
 non-streamed request waits for its job's end (a rejection or failure is an HTTP
 error; no worker starting it within the queue timeout is a 503 + Retry-After) and
 gets one JSON body; a streamed one gets its headers at once and a server-sent-event
@@ -35,9 +37,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import Settings
-from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull
+from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull, TenantQueueFull
 from tokenfleet.fleet import ServedModel
-from tokenfleet.gateway.errors import ApiError, from_finish, from_validation
+from tokenfleet.gateway.auth import ANONYMOUS, ApiKey, Caller, caller_of, parse_api_keys
+from tokenfleet.gateway.errors import ApiError, from_finish, from_queue_full, from_validation
 from tokenfleet.gateway.fleet import FleetReader
 from tokenfleet.gateway.jobs import (
     Canceller,
@@ -49,6 +52,7 @@ from tokenfleet.gateway.jobs import (
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
 from tokenfleet.gateway.openai_models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    SERVICE_TIER_OF,
     ChatCompletionRequest,
     CompletionRequest,
     job_from_openai,
@@ -79,7 +83,9 @@ class GatewayConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     prefix: str = DEFAULT_PREFIX
     queue_cap: int = DEFAULT_QUEUE_CAP  # the cap of a stream that has none set yet
-    api_keys: tuple[str, ...] = ()  # accepted bearer tokens; empty = no auth
+    # accepted bearer tokens, each `KEY`, `KEY=TENANT` or `KEY=TENANT:PRIORITY`
+    # (gateway/auth.py); empty = no auth, every request tenant `default`
+    api_keys: tuple[str, ...] = ()
     retry_after_s: int = 1  # the Retry-After of a 429
     default_max_tokens: int = 256  # chat requests that name no max_tokens
     job_timeout_s: float | None = None  # every job's deadline, from submit; None = none
@@ -99,8 +105,7 @@ class GatewayConfig:
     batch_lease_s: float = 15.0  # a batch whose gateway died is picked up after this long
 
     def __post_init__(self) -> None:
-        if any(not key for key in self.api_keys):
-            raise ValueError("an API key must not be empty")
+        parse_api_keys(self.api_keys)  # ValueError naming a bad entry (never its key)
         if self.retry_after_s < 0:
             raise ValueError("retry_after_s must be ≥ 0")
         if not 1 <= self.default_max_tokens <= MAX_NEW_TOKENS:
@@ -139,6 +144,11 @@ class GatewayConfig:
         )
         return replace(base, **overrides)
 
+    @property
+    def parsed_keys(self) -> tuple[ApiKey, ...]:
+        """The parsed `api_keys`: each key's tenant and default priority."""
+        return parse_api_keys(self.api_keys)
+
 
 class Gateway:
     """What the routes share: the producer, the shared pub/sub subscriber, the cancels
@@ -166,7 +176,7 @@ class Gateway:
         arrived = time.monotonic()
         parsed = _parse(kind, await request.body())
         served = await self._route(parsed.model)
-        job = self._job(parsed, kind, self._max_tokens(parsed, served), served)
+        job = self._job(parsed, kind, self._max_tokens(parsed, served), served, caller_of(request))
         handle = self.producer.handle(job.job_id)
         events = JobEvents(
             handle,
@@ -184,7 +194,9 @@ class Gateway:
                 await events.close(cancel=False)
             raise
         tally = RequestTally(self.metrics, parsed.model, arrived)
-        out = Renderer(kind, handle.id, parsed.model, int(time.time()))
+        out = Renderer(
+            kind, handle.id, parsed.model, int(time.time()), SERVICE_TIER_OF[job.priority]
+        )
         headers = {"X-Tokenfleet-Job-Id": handle.id}
 
         async def close() -> None:
@@ -301,7 +313,10 @@ class Gateway:
         kind: Kind,
         max_tokens: int,
         served: ServedModel | None = None,
+        caller: Caller = ANONYMOUS,
     ) -> GenerationRequest:
+        """The job: in the band the request asks for (the key's default when it asks for
+        none), for the key's tenant (a client cannot name another)."""
         metadata: dict[str, Any] = {"via": "gateway", "endpoint": kind}
         if parsed.user:
             metadata["user"] = parsed.user
@@ -320,6 +335,8 @@ class Gateway:
                 metadata=metadata,
                 deadline=deadline,
                 queue_deadline=queue_deadline,
+                priority=parsed.band(caller.priority),
+                tenant=caller.tenant,
             )
         except ValidationError as exc:  # the OpenAI models check the same limits first
             raise from_validation(exc) from None
@@ -331,15 +348,11 @@ class Gateway:
             capacity = served.max_job_tokens if served is not None else None
             await self.producer.submit(job, capacity=capacity)
         except QueueFull as exc:
-            self.metrics.queue_full.labels(model).inc()
-            raise ApiError(
-                429,
-                f"the queue for model {model!r} is full ({exc.depth} jobs, cap {exc.cap}): "
-                "retry later",
-                type="rate_limit_error",
-                code="queue_full",
-                headers={"Retry-After": str(self.config.retry_after_s)},
-            ) from None
+            if isinstance(exc, TenantQueueFull):
+                self.metrics.tenant_queue_full.labels(model, exc.tenant).inc()
+            else:
+                self.metrics.queue_full.labels(model).inc()
+            raise from_queue_full(exc, model, self.config.retry_after_s) from None
         except JobRejected as exc:  # the producer's own fleet check (token-id prompts)
             message = f"the fleet rejected the request ({exc.reason}): {exc.message}"
             raise ApiError(400, message, code=exc.reason) from None

@@ -24,6 +24,7 @@ ACCEPT_LUA = _OWNED_ENTRY + _read("accept")  # worker: check entries just read, 
 TICK_LUA = _OWNED_ENTRY + _read("tick")  # worker: one tick's fenced writes for every held job
 DEAD_LETTER_LUA = _OWNED_ENTRY + _read("dead_letter")  # worker: dead-letter an owned entry
 REDELIVER_LUA = _OWNED_ENTRY + _read("redeliver")  # worker: count an in-process retry
+PULL_LUA = _read("pull")  # worker: read new entries, highest band first, with the guard
 CLAIM_ORPHANS_LUA = _read("claim_orphans")  # worker: take over the entries of dead workers
 PROBE_LUA = _read("probe")  # worker: at start, which of its commands its ACL user may not run
 LEASE_LUA = _read("lease")  # gateway: take, renew or release a batch's lease
@@ -35,6 +36,7 @@ SCRIPTS = MappingProxyType(
         "tick": TICK_LUA,
         "dead_letter": DEAD_LETTER_LUA,
         "redeliver": REDELIVER_LUA,
+        "pull": PULL_LUA,
         "claim_orphans": CLAIM_ORPHANS_LUA,
         "probe": PROBE_LUA,
         "lease": LEASE_LUA,
@@ -47,6 +49,7 @@ __all__ = [
     "DEAD_LETTER_LUA",
     "LEASE_LUA",
     "PROBE_LUA",
+    "PULL_LUA",
     "REDELIVER_LUA",
     "SCRIPTS",
     "SUBMIT_LUA",

@@ -1,41 +1,66 @@
 -- Check freshly read (or claimed) jobs-stream entries against the jobs' state, and mark
 -- the genuine ones running on this worker. Only the entry the submit script recorded
 -- for a job is that job: anyone who can XADD can add an entry naming any job id.
+-- A job whose tenant already runs its `max_running` jobs of the model is put back at
+-- the tail of its band instead (a new entry, recorded in its state): it waits without
+-- holding this worker's slot, and the jobs behind it are served meanwhile.
 --
 -- Run with owned_entry.lua prepended.
 --
--- KEYS[1]         jobs stream
--- KEYS[2i], KEYS[2i+1]  job state hash and cancel flag of entry i, i = 1..n
+-- per entry i = 1..n, seven keys from KEYS[1 + 7(i-1)]:
+--   jobs stream the entry was read from, job state hash, cancel flag, the tenant's
+--   queued set, the tenant's running set, the tenant's limits, the default limits
 -- ARGV[1]  consumer group   ARGV[2]  this worker   ARGV[3]  '' (the entry ids follow)
 -- ARGV[4]  now, unix seconds (started_at)
--- ARGV[4+i]  entry i's id
+-- ARGV[3+2i], ARGV[4+2i]  entry i's id and job id
 --
--- Reply: per entry {verdict, cancelled (0/1)}:
+-- Reply: per entry {verdict, cancelled (0/1), submitted_at ('' unless ok)}:
 --   'ok'           the job's state records this entry, which is pending to this worker:
---                  marked running here
+--                  marked running here, counted in its tenant's running set
+--   'deferred'     as 'ok', but its tenant is at max_running: re-queued at the tail
+--                  of its band, acked and deleted here; not this worker's
 --   'lost'         the entry is not pending to this worker (any more): a worker that was
 --                  paused while another claimed it; nothing written
 --   'unsubmitted'  no state for the job (never submitted through the submit script, or
 --                  its state expired): serve nothing, never create its state
 --   'duplicate'    the job's state records another entry (a spoofed or repeated XADD)
 --   'finished'     the job already ended: its result stands
--- Nothing but the 'ok' entries' own hashes is written.
+-- Nothing but the 'ok' and 'deferred' entries' own state is written.
 local reply = {}
-for i = 1, #ARGV - 4 do
-  local hash, cancel, entry = KEYS[2 * i], KEYS[2 * i + 1], ARGV[4 + i]
-  local state = redis.call('HMGET', hash, 'status', 'entry', 'stream')
+local n = (#ARGV - 4) / 2
+for i = 1, n do
+  local k = 1 + 7 * (i - 1)
+  local stream, hash, cancel = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local queued, running, limits, defaults = KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], KEYS[k + 6]
+  local entry, job = ARGV[3 + 2 * i], ARGV[4 + 2 * i]
+  local state = redis.call('HMGET', hash, 'status', 'entry', 'stream', 'submitted_at')
   local flag = redis.call('EXISTS', cancel)
-  if owner_of(entry) ~= ARGV[2] then
-    reply[i] = {'lost', flag}
+  if owner_of(stream, entry) ~= ARGV[2] then
+    reply[i] = {'lost', flag, ''}
   elseif not state[1] then
-    reply[i] = {'unsubmitted', flag}
-  elseif state[2] ~= entry or state[3] ~= KEYS[1] then
-    reply[i] = {'duplicate', flag}
+    reply[i] = {'unsubmitted', flag, ''}
+  elseif state[2] ~= entry or state[3] ~= stream then
+    reply[i] = {'duplicate', flag, ''}
   elseif state[1] == 'finished' then
-    reply[i] = {'finished', flag}
+    reply[i] = {'finished', flag, ''}
   else
-    redis.call('HSET', hash, 'status', 'running', 'worker', ARGV[2], 'started_at', ARGV[4])
-    reply[i] = {'ok', flag}
+    local most = tonumber(redis.call('HGET', limits, 'max_running') or '')
+      or tonumber(redis.call('HGET', defaults, 'max_running') or '')
+    local at_limit = most and flag == 0 and state[1] == 'queued'
+      and not redis.call('ZSCORE', running, job)
+      and redis.call('ZCARD', running) >= most
+    if at_limit then
+      local fields = redis.call('XRANGE', stream, entry, entry)[1][2]
+      ack_delete_entry(stream, entry)
+      local again = redis.call('XADD', stream, '*', unpack(fields))
+      redis.call('HSET', hash, 'entry', again)
+      reply[i] = {'deferred', flag, ''}
+    else
+      redis.call('HSET', hash, 'status', 'running', 'worker', ARGV[2], 'started_at', ARGV[4])
+      redis.call('ZREM', queued, job)
+      redis.call('ZADD', running, ARGV[4], job)
+      reply[i] = {'ok', flag, state[4] or ''}
+    end
   end
 end
 return reply

@@ -1,20 +1,29 @@
--- Accept one job into a capped jobs stream, atomically.
+-- Accept one job into its band's capped jobs stream, atomically with its tenant's limit.
 --
--- KEYS[1]  jobs stream            (keys.jobs(model))
--- KEYS[2]  the stream's cap       (keys.queue_cap(model)); absent = ARGV[3]
--- KEYS[3]  the job's state hash   (keys.job(job_id))
--- KEYS[4]  set of model names     (keys.models())
+-- KEYS[1]  jobs stream of the job's band   (keys.jobs(model, band))
+-- KEYS[2]  the model's cap                 (keys.queue_cap(model)); absent = ARGV[3].
+--          Each band holds up to cap jobs.
+-- KEYS[3]  the job's state hash            (keys.job(job_id))
+-- KEYS[4]  set of model names              (keys.models())
+-- KEYS[5]  the tenant's queued jobs        (keys.tenant_queued(tenant, model))
+-- KEYS[6]  the tenant's limits             (keys.tenant_limits(tenant))
+-- KEYS[7]  every tenant's default limits   (keys.tenant_limits(None))
+-- KEYS[8]  set of tenant names             (keys.tenants())
 -- ARGV[1]  job id
 -- ARGV[2]  payload (msgpack map, or JSON object text)
 -- ARGV[3]  default cap, used when KEYS[2] is absent
 -- ARGV[4]  now, unix seconds (the submit time recorded for queue-wait timings)
 -- ARGV[5]  TTL of the state hash, seconds
 -- ARGV[6]  model name (for KEYS[4])
+-- ARGV[7]  tenant name
+-- ARGV[8]  band name (recorded in the job hash)
 --
 -- Replies:
---   {"dup", entry_id, status}   the id was accepted before: nothing added (idempotent retry)
---   {"full", depth, cap}        the stream already holds cap jobs: nothing added (backpressure)
---   {"ok", entry_id}            added; XLEN of KEYS[1] counts it until a worker finishes it
+--   {"dup", entry_id, status}       the id was accepted before: nothing added (idempotent)
+--   {"full", depth, cap}            the band's stream holds cap jobs: nothing added
+--   {"tenant_full", queued, limit}  the tenant has `limit` jobs of this model queued (its
+--                                   queued_share of the cap): nothing added
+--   {"ok", entry_id}                added; XLEN of KEYS[1] counts it until it finishes
 --
 -- Never XADD with MAXLEN/MINID here: trimming deletes jobs that were accepted.
 local status = redis.call('HGET', KEYS[3], 'status')
@@ -26,9 +35,23 @@ local depth = redis.call('XLEN', KEYS[1])
 if depth >= cap then
   return {'full', depth, cap}
 end
-local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'payload', ARGV[2])
+local share = tonumber(redis.call('HGET', KEYS[6], 'queued_share') or '')
+  or tonumber(redis.call('HGET', KEYS[7], 'queued_share') or '')
+if share then
+  -- A member whose job state could have expired is stale: it can't hold a place.
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[5]))
+  local limit = math.max(1, math.floor(share * cap))
+  local queued = redis.call('ZCARD', KEYS[5])
+  if queued >= limit then
+    return {'tenant_full', queued, limit}
+  end
+end
+local entry = redis.call('XADD', KEYS[1], '*', 'job_id', ARGV[1], 'payload', ARGV[2],
+                         'tenant', ARGV[7])
 redis.call('HSET', KEYS[3], 'status', 'queued', 'stream', KEYS[1], 'entry', entry,
-           'submitted_at', ARGV[4], 'model', ARGV[6])
+           'submitted_at', ARGV[4], 'model', ARGV[6], 'tenant', ARGV[7], 'band', ARGV[8])
 redis.call('EXPIRE', KEYS[3], ARGV[5])
+redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
 redis.call('SADD', KEYS[4], ARGV[6])
+redis.call('SADD', KEYS[8], ARGV[7])
 return {'ok', entry}

@@ -5,14 +5,15 @@
 -- entry) writes nothing for it: the fence is in the same script as the writes.
 -- Run with owned_entry.lua prepended.
 --
--- KEYS[1]  jobs stream
--- per job j = 1..n, four keys from KEYS[2 + 4(j-1)]:
---   job state hash, replay stream, result string, cancel flag
+-- per job j = 1..n, seven keys from KEYS[1 + 7(j-1)]:
+--   its jobs stream (the band it was read from), job state hash, replay stream, result
+--   string, cancel flag, the tenant's queued set, the tenant's running set
 -- ARGV[1]  group   ARGV[2]  this worker   ARGV[3]  '' (the entry ids are per job)
 -- ARGV[4]  now (unix s)   ARGV[5]  EVENTS_MAXLEN   ARGV[6]  EVENTS_TTL_S
 -- ARGV[7]  RESULT_TTL_S   ARGV[8]  JOB_STATE_TTL_S   ARGV[9]  n (jobs)
 -- then per job, in order:
---   entry id, live channel, k (token events), '1' when the job ends this tick else '0',
+--   entry id, job id, live channel, k (token events), '1' when the job ends this tick
+--   else '0',
 --   k x (index, msgpack TokenEvent),
 --   when it ends: finish reason, msgpack JobResult, msgpack FinishEvent
 --
@@ -30,15 +31,16 @@ local n = tonumber(ARGV[9])
 local a = 10
 local reply = {}
 for j = 1, n do
-  local k0 = 2 + 4 * (j - 1)
-  local hash, events, result, cancel = KEYS[k0], KEYS[k0 + 1], KEYS[k0 + 2], KEYS[k0 + 3]
-  local entry, channel = ARGV[a], ARGV[a + 1]
-  local count, ends = tonumber(ARGV[a + 2]), ARGV[a + 3] == '1'
-  local first = a + 4
+  local k0 = 1 + 7 * (j - 1)
+  local stream, hash, events, result = KEYS[k0], KEYS[k0 + 1], KEYS[k0 + 2], KEYS[k0 + 3]
+  local cancel, queued, running = KEYS[k0 + 4], KEYS[k0 + 5], KEYS[k0 + 6]
+  local entry, job, channel = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local count, ends = tonumber(ARGV[a + 3]), ARGV[a + 4] == '1'
+  local first = a + 5
   a = first + 2 * count + (ends and 3 or 0)
 
   local state = redis.call('HMGET', hash, 'entry', 'emitted', 'status')
-  if owner_of(entry) ~= ARGV[2] or state[1] ~= entry or state[3] == 'finished' then
+  if owner_of(stream, entry) ~= ARGV[2] or state[1] ~= entry or state[3] == 'finished' then
     reply[j] = {'lost', 0}
   else
     local next = tonumber(state[2]) or 0
@@ -70,10 +72,11 @@ for j = 1, n do
       local t = first + 2 * count
       terminal_writes({
         result = result, hash = hash, events = events, channel = channel,
+        queued = queued, running = running, job = job,
         reason = ARGV[t], result_data = ARGV[t + 1], finish_data = ARGV[t + 2],
         result_ttl = ARGV[7], hash_ttl = ARGV[8], maxlen = ARGV[5], events_ttl = ARGV[6],
       })
-      ack_delete_entry(entry)
+      ack_delete_entry(stream, entry)
       reply[j] = {'done', next}
     elseif redis.call('EXISTS', cancel) == 1 then
       reply[j] = {'cancel', next}

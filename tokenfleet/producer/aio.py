@@ -16,7 +16,7 @@ import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
 from tokenfleet.fleet import read_workers_async
-from tokenfleet.keys import Keys
+from tokenfleet.keys import DEFAULT_BAND, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
@@ -134,8 +134,8 @@ class AsyncProducer(ProducerCore[aredis.Redis]):
             self, reply.job_id, entry_id=reply.entry_id, duplicate=reply.duplicate
         )
 
-    async def depth(self, model: str | None = None) -> int:
-        return await self._run(self._depth_plan(model))
+    async def depth(self, model: str | None = None, band: str = DEFAULT_BAND) -> int:
+        return await self._run(self._depth_plan(model, band))
 
     async def aclose(self) -> None:
         await self.redis.aclose()

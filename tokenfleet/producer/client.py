@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import redis
 
 from tokenfleet.fleet import read_workers
-from tokenfleet.keys import Keys
+from tokenfleet.keys import DEFAULT_BAND, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
@@ -146,9 +146,9 @@ class Producer(ProducerCore[redis.Redis]):
         value = self.redis.get(self.keys.queue_cap(model))
         return int(value) if value is not None else self.default_cap
 
-    def depth(self, model: str | None = None) -> int:
-        """Accepted, unfinished jobs: XLEN of the jobs stream."""
-        return self._run(self._depth_plan(model))
+    def depth(self, model: str | None = None, band: str = DEFAULT_BAND) -> int:
+        """Accepted, unfinished jobs of one priority band: XLEN of its jobs stream."""
+        return self._run(self._depth_plan(model, band))
 
 
 class JobHandle(HandleCore["Producer"]):

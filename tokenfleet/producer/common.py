@@ -11,7 +11,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tokenfleet.errors import InvalidRequest, JobFailed, JobNotFound, JobRejected, QueueFull
+from tokenfleet.errors import (
+    InvalidRequest,
+    JobFailed,
+    JobNotFound,
+    JobRejected,
+    QueueFull,
+    TenantQueueFull,
+)
 from tokenfleet.keys import DEFAULT_MODEL, JOB_STATE_TTL_S, Keys
 from tokenfleet.protocol import (
     MAX_PAYLOAD_BYTES,
@@ -56,10 +63,14 @@ def submit_call(
     """KEYS and ARGV for submit.lua (documented in the script itself)."""
     model = request.model or DEFAULT_MODEL
     script_keys = [
-        keys.jobs(request.model),
+        keys.jobs(request.model, request.priority),
         keys.queue_cap(request.model),
         keys.job(request.job_id),
         keys.models(),
+        keys.tenant_queued(request.tenant, request.model),
+        keys.tenant_limits(request.tenant),
+        keys.tenant_limits(None),
+        keys.tenants(),
     ]
     args: list[str | bytes | int | float] = [
         request.job_id,
@@ -68,6 +79,8 @@ def submit_call(
         f"{time.time():.6f}",
         JOB_STATE_TTL_S,
         model,
+        request.tenant,
+        request.priority,
     ]
     return script_keys, args
 
@@ -82,10 +95,14 @@ class SubmitReply:
 
 
 def parse_submit_reply(keys: Keys, request: GenerationRequest, reply: list[Any]) -> SubmitReply:
-    """Turn the script's reply into a `SubmitReply`, or raise `QueueFull`."""
+    """Turn the script's reply into a `SubmitReply`, or raise `QueueFull` (the band is
+    full) or `TenantQueueFull` (the job's tenant is at its queued limit)."""
     kind = _text(reply[0])
+    stream = keys.jobs(request.model, request.priority)
     if kind == "full":
-        raise QueueFull(depth=int(reply[1]), cap=int(reply[2]), stream=keys.jobs(request.model))
+        raise QueueFull(depth=int(reply[1]), cap=int(reply[2]), stream=stream)
+    if kind == "tenant_full":
+        raise TenantQueueFull(request.tenant, int(reply[1]), int(reply[2]), stream)
     if kind == "dup":
         return SubmitReply(request.job_id, _text(reply[1]), duplicate=True)
     assert kind == "ok", f"unexpected submit reply {reply!r}"

@@ -109,9 +109,9 @@ class ProducerCore(Generic[C]):
         except (QueueFull, redis.RedisError) as exc:
             return Submitted(request.job_id, None, exc)
 
-    def _depth_plan(self, model: str | None) -> Plan[int]:
-        """Accepted, unfinished jobs: XLEN of the jobs stream."""
-        return int((yield Command("XLEN", self.keys.jobs(model))))
+    def _depth_plan(self, model: str | None, band: str) -> Plan[int]:
+        """Accepted, unfinished jobs of one band: XLEN of its jobs stream."""
+        return int((yield Command("XLEN", self.keys.jobs(model, band))))
 
 
 P = TypeVar("P", bound=ProducerCore[Any])

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
+from tokenfleet.keys import BANDS
 from tokenfleet.kv.prefix import chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
@@ -174,9 +175,9 @@ class Engine:
         if decision.reason is AdmissionReason.ADMITTED:
             self._start(session, now)
         elif decision.reason is AdmissionReason.QUEUED:
-            self.waiting.append(session)
+            self._wait(session)
         elif decision.reason is AdmissionReason.REJECTED_QUEUE_FULL and overflow:
-            self.waiting.append(session)
+            self._wait(session)
             decision = AdmissionDecision(AdmissionReason.QUEUED, decision.message)
         elif decision.reason is AdmissionReason.REJECTED_DUPLICATE:
             # The job is already here: its one terminal event belongs to that copy.
@@ -184,6 +185,14 @@ class Engine:
         else:
             self._reject(request, decision.reason, decision.message, now)
         return decision
+
+    def _wait(self, session: Session) -> None:
+        """Queue locally, ahead of every waiting job of a lower priority band."""
+        rank = _rank(session)
+        at = len(self.waiting)
+        while at > 0 and _rank(self.waiting[at - 1]) > rank:
+            at -= 1
+        self.waiting.insert(at, session)
 
     def cancel(self, job_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a job now (freeing its KV); its `Finished` comes out of the next `step()`."""
@@ -397,6 +406,7 @@ class Engine:
             session.prompt_ids,
             session.max_new_tokens,
             output_ids=session.emitted,
+            rank=_rank(session),
             hash_root=self._hash_root(session),
             block_hashes=list(self._block_hashes(session)),
         )
@@ -520,3 +530,8 @@ def _queue_expired(session: Session, now: float) -> bool:
 
 def _error(where: str, exc: BaseException) -> ErrorInfo:
     return ErrorInfo(reason=f"{where}_error", message=f"{type(exc).__name__}: {exc}"[:4096])
+
+
+def _rank(session: Session) -> int:
+    """The session's priority band's place in keys.BANDS: 0 (interactive) starts first."""
+    return BANDS.index(session.request.priority)

@@ -1,6 +1,7 @@
 """The worker's Redis loop: pull → admit → tick → publish+finish.
 
-One process, one engine, one jobs stream. Each iteration:
+One process, one engine, one model's jobs streams (one per priority band). Each
+iteration:
 
 1. pull     take the entries the last round trip read (and, about once a second,
             the entries of dead workers); block briefly for new ones only when
@@ -11,7 +12,7 @@ One process, one engine, one jobs stream. Each iteration:
 4. publish  ONE pipelined round trip: tick.lua with every held job's new token
             events and terminal writes — each accepted only while this worker owns
             the job's current delivery — plus the heartbeat when due, plus a read
-            of what the engine has room for next.
+            of what the engine has room for next (pull.lua: the highest band first).
 
 Ownership is fenced in the same script that writes, per job per tick: a worker
 that was paused (SIGSTOP) or cut off while another worker took its jobs over
@@ -40,8 +41,9 @@ import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -51,7 +53,7 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
-from tokenfleet.keys import GROUP, Keys
+from tokenfleet.keys import BANDS, GROUP, Keys
 from tokenfleet.protocol import (
     ErrorInfo,
     GenerationRequest,
@@ -59,7 +61,6 @@ from tokenfleet.protocol import (
     decode_request,
 )
 from tokenfleet.reasons import FinishReason
-from tokenfleet.worker import recovery
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.metrics import WorkerMetrics
@@ -70,7 +71,6 @@ from tokenfleet.worker.queue import (
     TickWrite,
     Verdict,
     WorkerQueue,
-    entries_of,
 )
 from tokenfleet.worker.recovery import Delivery
 from tokenfleet.worker.session import Finished, Session, terminal
@@ -94,6 +94,9 @@ class WorkerOptions:
     claim_every_s: float = 1.0
     max_deliveries: int = 3  # a job delivered more often goes to the dead letters
     drain_timeout_s: float = 30.0
+    # Nothing running here and the last entries read were all put back (their tenants
+    # are at max_running): wait this long before reading again rather than spin on them.
+    deferred_backoff_s: float = 0.05
     reconnect_max_s: float = 5.0
     overlap: bool = True  # read a tick's replies after the next forward (see `iteration`)
     info: dict[str, Any] = field(default_factory=dict)  # identity fields for the heartbeat
@@ -157,6 +160,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
         self._resync = False  # after a reconnect: re-read own pending list, resend events
+        self._all_deferred = False  # the last admit put back every entry it read
         self.started_at = time.time()
 
     # ---- lifecycle -------------------------------------------------------------
@@ -210,7 +214,7 @@ class Worker:
         if self.draining:
             return not busy or time.monotonic() >= self._drain_deadline
         if self.options.burst and not busy:
-            return int(self.redis.xlen(self.queue.stream)) == 0
+            return all(int(self.redis.xlen(stream)) == 0 for stream in self.queue.streams)
         return False
 
     def _with_reconnect(self, action: Callable[[], T], *, once: bool = False) -> T | None:
@@ -326,6 +330,9 @@ class Worker:
                 deliveries += claimed
                 room -= len(claimed)
             if not (self.engine.has_work or self.held or deliveries):
+                if self._all_deferred:
+                    self._all_deferred = False
+                    time.sleep(self.options.deferred_backoff_s)
                 fresh = self.queue.read(room, self.options.idle_block_ms)
                 if 0 < len(fresh) < room:
                     # A blocked read wakes on the first new entry; take what else is there
@@ -345,12 +352,15 @@ class Worker:
         if not decoded:
             return
         verdicts = self.queue.accept([d for d, _ in decoded])
-        for (delivery, request), (verdict, cancelled) in zip(decoded, verdicts, strict=True):
+        deferred = 0
+        for (delivery, request), (verdict, cancelled, submitted_at) in zip(
+            decoded, verdicts, strict=True
+        ):
             if verdict is Verdict.OK:
                 if request.job_id in self.held:
                     continue  # held here already (its entry read again after a reconnect)
                 if delivery.deliveries <= self.options.max_deliveries:
-                    self._submit(delivery, request, cancelled)
+                    self._submit(delivery, request, cancelled, submitted_at)
                     continue
                 message = (
                     f"delivered {delivery.deliveries} times (limit {self.options.max_deliveries})"
@@ -358,6 +368,8 @@ class Worker:
                 self._dead_letter(
                     delivery, "too_many_deliveries", message, job_id=request.job_id, error=True
                 )
+            elif verdict is Verdict.DEFERRED:
+                deferred += 1  # its tenant runs max_running jobs: back in its band's queue
             elif verdict is Verdict.LOST:
                 log.warning("entry %s belongs to another worker now: skipped", delivery.entry_id)
             elif verdict is Verdict.UNSUBMITTED:
@@ -368,6 +380,7 @@ class Worker:
                 if verdict is Verdict.FINISHED:
                     message = f"job {request.job_id} has finished already"
                 self._dead_letter(delivery, "rejected_duplicate", message)
+        self._all_deferred = deferred == len(decoded)
 
     def _decode(self, delivery: Delivery) -> GenerationRequest | None:
         if delivery.payload is None:
@@ -389,15 +402,29 @@ class Worker:
             return None
         return request
 
-    def _submit(self, delivery: Delivery, request: GenerationRequest, cancelled: bool) -> None:
+    def _submit(
+        self,
+        delivery: Delivery,
+        request: GenerationRequest,
+        cancelled: bool,
+        submitted_at: float | None,
+    ) -> None:
         job_id = request.job_id
         resume = self.queue.emitted_tokens(job_id) if delivery.deliveries > 1 else []
-        submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0
+        if submitted_at is None:  # a state hash without it: the entry id's time
+            submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0
+        band = self._band(delivery)  # the band it waited in decides here too
+        if band != request.priority:
+            request = request.model_copy(update={"priority": band})
         self.engine.submit(request, resume_ids=resume, submitted_at=submitted_at, overflow=True)
         session = self.engine.session(job_id)
         self.held[job_id] = _Held(delivery, job_id, session, sent=len(resume))
         if cancelled:
             self.engine.cancel(job_id)
+
+    def _band(self, delivery: Delivery) -> str:
+        streams = self.queue.streams
+        return BANDS[streams.index(delivery.stream)] if delivery.stream in streams else "default"
 
     def tick(self) -> None:
         if not self.engine.has_work:
@@ -433,7 +460,7 @@ class Worker:
         if writes:
             self.queue.tick(writes, pipe)
         if read > 0:
-            pipe.xreadgroup(GROUP, self.options.name, {self.queue.stream: ">"}, read, None)
+            self.queue.pull(read, pipe)
         if self._heartbeat_due():
             self.heartbeat(pipe=pipe)
         errors = [
@@ -453,7 +480,7 @@ class Worker:
         if sent.held:
             at = 1
             if isinstance(replies[0], NoScriptError):
-                self.queue.load_tick()  # Redis restarted: the writes go out next iteration
+                self.queue.load_scripts()  # Redis restarted: the writes go out next iteration
             elif isinstance(replies[0], Exception):
                 failures.append(replies[0])  # the writes stay in the sessions: retried
             else:
@@ -461,10 +488,12 @@ class Worker:
         if sent.reads:
             got = replies[at]
             at += 1
-            if isinstance(got, Exception):
+            if isinstance(got, NoScriptError):
+                self.queue.load_scripts()  # nothing was read: the next round trip reads
+            elif isinstance(got, Exception):
                 failures.append(got)
             else:
-                self.prefetched += [recovery.delivery(e, f, 1) for e, f in entries_of(got)]
+                self.prefetched += self.queue.parse_pull(got)
         failures += [r for r in replies[at:] if isinstance(r, Exception)]
         for failure in failures:
             if not self._missing_group(failure):
@@ -480,7 +509,7 @@ class Worker:
         end = None
         if held.end is not None and held.end.event.reason is not FinishReason.ERROR:
             end = (held.end.result, held.end.event)
-        return TickWrite(held.delivery.entry_id, held.job_id, held.unsent(), end)
+        return TickWrite(held.delivery, held.job_id, held.unsent(), end)
 
     def _apply(self, sent: _RoundTrip, replies: list[TickReply]) -> None:
         for job, error, reply in zip(sent.held, sent.errors, replies, strict=True):
@@ -495,7 +524,7 @@ class Worker:
             elif reply.verdict is TickVerdict.DONE:
                 del self.held[job.job_id]
                 if self.metrics is not None and job.end is not None:
-                    self.metrics.observe_finished(job.end)
+                    self.metrics.observe_finished(job.end, job.delivery.tenant)
             elif error is not None and reply.verdict is not TickVerdict.GAP:
                 self._retry_or_dead_letter(job, error)  # an engine error: its events are out
             elif reply.verdict is TickVerdict.CANCEL and job.end is None:
@@ -510,12 +539,12 @@ class Worker:
                 held.delivery, "engine_error", message, finish=done.event, result=done.result
             )
             if self.metrics is not None:
-                self.metrics.observe_finished(done)
+                self.metrics.observe_finished(done, held.delivery.tenant)
             return
-        deliveries = self.queue.redeliver(held.delivery.entry_id)
+        deliveries = self.queue.redeliver(held.delivery)
         if deliveries is None:  # no longer ours
             return
-        retry = Delivery(held.delivery.entry_id, held.job_id, held.delivery.payload, deliveries)
+        retry = replace(held.delivery, deliveries=deliveries)
         log.warning(
             "job %s failed (%s); retry %d of %d",
             held.job_id,
@@ -562,6 +591,7 @@ class Worker:
         info: dict[str, Any] = {
             **self.options.info,
             "stream": self.queue.stream,
+            "streams": self.queue.streams,
             "group": GROUP,
             "status": "draining" if self.draining else "running",
             "redis_oom": self.redis_oom,
@@ -575,6 +605,9 @@ class Worker:
                 "max_waiting": self.engine.budget.max_waiting,
             },
             "held_jobs": len(self.held) + len(self.prefetched),
+            # what it holds, by tenant and by the band each was read from
+            "tenants": dict(Counter(h.delivery.tenant for h in self.held.values())),
+            "bands": dict(Counter(self._band(h.delivery) for h in self.held.values())),
             **self.engine.telemetry(),
         }
         self.queue.heartbeat(info, pipe=pipe)

@@ -12,6 +12,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from tokenfleet.keys import DEFAULT_TENANT
 from tokenfleet.reasons import AdmissionReason, FinishReason
 from tokenfleet.worker.engine import Engine, Finished, StepOutput
 
@@ -69,6 +70,18 @@ class WorkerMetrics:
             "tokenfleet_request_success",
             "Finished jobs by finish reason",
             (*labels, "finished_reason"),
+            registry=r,
+        )
+        self.tenant_finished = Counter(
+            "tokenfleet_tenant_finished",
+            "Finished jobs by tenant and finish reason",
+            (*labels, "tenant", "finished_reason"),
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "tokenfleet_tenant_generation_tokens",
+            "Tokens generated for each tenant's finished jobs",
+            (*labels, "tenant"),
             registry=r,
         )
         self.rejections = Counter(
@@ -150,11 +163,16 @@ class WorkerMetrics:
                     self.rejections.labels(**lab, reason=reason).inc(count - seen)
                     self._rejected_seen[reason] = count
 
-    def observe_finished(self, done: Finished) -> None:
+    def observe_finished(self, done: Finished, tenant: str = DEFAULT_TENANT) -> None:
         """A job's terminal outcome, once it is final (not an error about to be retried)."""
         lab = self._labels
         self._last_token_at.pop(done.job_id, None)
-        self.finished.labels(**lab, finished_reason=str(done.event.reason)).inc()
+        reason = str(done.event.reason)
+        self.finished.labels(**lab, finished_reason=reason).inc()
+        self.tenant_finished.labels(**lab, tenant=tenant, finished_reason=reason).inc()
+        tokens = done.event.usage.completion_tokens
+        if tokens:
+            self.tenant_tokens.labels(**lab, tenant=tenant).inc(tokens)
         timings = done.event.timings
         if timings.ttft_s is not None:
             self.ttft.labels(**lab).observe(max(0.0, timings.ttft_s))

@@ -1,6 +1,10 @@
 """The Redis edge of one worker: read jobs, accept them, write each tick (events and
 finishes), dead-letter, heartbeat, and claim the jobs of workers that died.
 
+A model's queue is one stream per priority band (keys.bands): `pull` reads the
+highest band first, with a fleet-wide starvation guard (pull.lua); every other call
+acts on the stream its entry came from (`Delivery.stream`).
+
 Ownership is the rule everything here keeps: a jobs-stream entry belongs to the
 consumer it is pending to (`XPENDING`). `tick` and `dead_letter` write for a job
 only while this worker owns its entry, in the same Lua script that acks and
@@ -20,7 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from redis.exceptions import ResponseError
@@ -28,12 +32,14 @@ from redis.exceptions import ResponseError
 from tokenfleet.errors import ProtocolError
 from tokenfleet.fleet import is_missing_group
 from tokenfleet.keys import (
+    BANDS,
     DEAD_LETTERS_MAXLEN,
     EVENTS_MAXLEN,
     EVENTS_TTL_S,
     GROUP,
     JOB_STATE_TTL_S,
     RESULT_TTL_S,
+    STARVATION_GUARD,
     WORKER_TTL_S,
     Keys,
 )
@@ -42,6 +48,7 @@ from tokenfleet.lua import (
     CLAIM_ORPHANS_LUA,
     DEAD_LETTER_LUA,
     PROBE_LUA,
+    PULL_LUA,
     REDELIVER_LUA,
     TICK_LUA,
 )
@@ -50,6 +57,7 @@ from tokenfleet.worker.errors import RedisAccessError
 from tokenfleet.worker.recovery import Delivery, claim_orphan_entries, delivery
 
 __all__ = [
+    "Accepted",
     "Delivery",
     "InFlight",
     "TickReply",
@@ -66,10 +74,20 @@ class Verdict(StrEnum):
     """What accept.lua says of an entry just read or claimed."""
 
     OK = "ok"  # the job's own entry: it is this worker's to serve
+    DEFERRED = "deferred"  # its tenant is at max_running: put back at its band's tail
     UNSUBMITTED = "unsubmitted"  # no state for the job: never submitted (or expired)
     DUPLICATE = "duplicate"  # the job's state records another entry
     FINISHED = "finished"  # the job ended already
     LOST = "lost"  # the entry is not pending to this worker (claimed while it was away)
+
+
+class Accepted(NamedTuple):
+    """accept.lua's answer for one entry: its verdict, whether its client asked to cancel,
+    and (for OK) when the job was submitted (unix s; None when unknown)."""
+
+    verdict: Verdict
+    cancelled: bool
+    submitted_at: float | None = None
 
 
 class TickVerdict(StrEnum):
@@ -87,7 +105,7 @@ class TickWrite:
     """One held job's part of a tick: its new token events and, when it ended, the
     terminal pair. Every held job is in every tick (its ownership is checked)."""
 
-    entry_id: str
+    delivery: Delivery
     job_id: str
     events: list[TokenEvent]
     end: tuple[JobResult, FinishEvent] | None = None
@@ -100,7 +118,8 @@ class TickReply:
 
 
 class WorkerQueue:
-    """The jobs stream of one model, as seen by the worker named `worker`.
+    """The jobs streams (one per priority band) of one model, as seen by the worker
+    named `worker`.
 
     Worker names must be unique per process start: a restarted worker reusing
     an old name would be taken for alive, and nobody would claim its old entries.
@@ -113,7 +132,10 @@ class WorkerQueue:
         self.keys = keys
         self.worker = worker
         self.model = model
-        self.stream = keys.jobs(model)
+        self.stream = keys.jobs(model)  # the default band's
+        self.streams = keys.bands(model)  # every band's, highest first
+        self.guard = STARVATION_GUARD
+        self._pull = client.register_script(PULL_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
         self._redeliver = client.register_script(REDELIVER_LUA)
         self._accept = client.register_script(ACCEPT_LUA)
@@ -123,14 +145,15 @@ class WorkerQueue:
 
     # --- pull -------------------------------------------------------------
     def ensure_group(self) -> None:
-        """Create the stream and its group (from id 0, so earlier jobs are served).
-
-        Idempotent; call at start and after a NOGROUP error (Redis restarted empty)."""
-        try:
-            self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if not str(exc).startswith("BUSYGROUP"):
-                raise
+        """Create every band's stream and its group (from id 0, so earlier jobs are
+        served). Idempotent; call at start and after a NOGROUP error (Redis restarted
+        empty)."""
+        for stream in self.streams:
+            try:
+                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as exc:
+                if not str(exc).startswith("BUSYGROUP"):
+                    raise
 
     def preflight(self) -> None:
         """Check that this worker's Redis user may run every command the worker sends
@@ -140,7 +163,7 @@ class WorkerQueue:
         args = [GROUP, self.worker, self.keys.telemetry_channel()]
         denied = [_str(name) for name in self._probe(keys=script_keys, args=args)]
         if not denied:
-            self.load_tick()
+            self.load_scripts()
         if denied:
             raise RedisAccessError(
                 "the worker's redis user may not run: "
@@ -149,21 +172,46 @@ class WorkerQueue:
             )
 
     def read(self, count: int, block_ms: int | None = None) -> list[Delivery]:
-        """Up to `count` new entries; waits up to `block_ms` when none (None: no wait;
-        0: wait forever, as Redis reads BLOCK 0). count <= 0 returns [] without a call.
-
-        A missing group is recreated and the read retried once."""
+        """Up to `count` new entries, highest band first (pull.lua); when there are none,
+        waits up to `block_ms` for the first (None: no wait; 0: wait forever, as Redis
+        reads BLOCK 0) — that wait may return one entry per band. count <= 0 returns []
+        without a call. A missing group is recreated and the read retried once."""
         if count <= 0:
             return []
-        streams = {self.stream: ">"}
         try:
-            reply = self.redis.xreadgroup(GROUP, self.worker, streams, count, block_ms)
+            return self._read(count, block_ms)
         except ResponseError as exc:
             if not is_missing_group(exc):
                 raise
             self.ensure_group()
-            reply = self.redis.xreadgroup(GROUP, self.worker, streams, count, block_ms)
-        return [delivery(entry_id, fields, 1) for entry_id, fields in entries_of(reply)]
+            return self._read(count, block_ms)
+
+    def _read(self, count: int, block_ms: int | None) -> list[Delivery]:
+        got = self.parse_pull(self._pull(keys=self._pull_keys(), args=self._pull_args(count)))
+        if got or block_ms is None:
+            return got
+        streams = {stream: ">" for stream in self.streams}
+        reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, block_ms)
+        return [delivery(entry_id, fields, 1, stream) for stream, entry_id, fields in _named(reply)]
+
+    def pull(self, count: int, pipe: Any) -> None:
+        """Queue a read of up to `count` new entries (pull.lua) on `pipe`; its reply goes
+        to `parse_pull`. Loaded at start (`load_scripts`), like tick.lua."""
+        script_keys = self._pull_keys()
+        pipe.evalsha(self._pull.sha, len(script_keys), *script_keys, *self._pull_args(count))
+
+    def _pull_keys(self) -> list[str]:
+        return [*self.streams, self.keys.pulls(self.model)]
+
+    def _pull_args(self, count: int) -> list[ScriptArg]:
+        return [GROUP, self.worker, count, self.guard, *BANDS]
+
+    def parse_pull(self, reply: Any) -> list[Delivery]:
+        out = []
+        for band, entry_id, flat in reply or []:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True))
+            out.append(delivery(entry_id, fields, 1, self.streams[int(band)]))
+        return out
 
     def own_pending(self, count: int) -> list[Delivery]:
         """Entries pending to this worker (its own pending list), with their data.
@@ -174,32 +222,48 @@ class WorkerQueue:
         if count <= 0:
             return []
         try:
-            reply = self.redis.xreadgroup(GROUP, self.worker, {self.stream: "0"}, count)
+            reply = self.redis.xreadgroup(
+                GROUP, self.worker, dict.fromkeys(self.streams, "0"), count
+            )
         except ResponseError as exc:
             if not is_missing_group(exc):
                 raise
             self.ensure_group()
             return []
-        return [delivery(entry_id, fields, 2) for entry_id, fields in entries_of(reply)]
+        return [delivery(entry_id, fields, 2, stream) for stream, entry_id, fields in _named(reply)]
 
-    def accept(self, deliveries: Sequence[Delivery]) -> list[tuple[Verdict, bool]]:
+    def accept(self, deliveries: Sequence[Delivery]) -> list[Accepted]:
         """Check entries against their jobs' state and mark the genuine ones running here
-        (accept.lua): per delivery, its verdict and whether its client asked to cancel.
-        Every delivery must have a job id."""
+        (accept.lua), or put back those whose tenant is at its running limit. Every
+        delivery must have a job id."""
         if not deliveries:
             return []
-        script_keys = [self.stream]
+        k = self.keys
+        script_keys: list[str] = []
+        args: list[ScriptArg] = [GROUP, self.worker, "", f"{time.time():.6f}"]
         for d in deliveries:
             assert d.job_id is not None, "accept() needs the entry's job id"
-            script_keys += [self.keys.job(d.job_id), self.keys.cancel(d.job_id)]
-        args = [GROUP, self.worker, "", f"{time.time():.6f}", *(d.entry_id for d in deliveries)]
+            script_keys += [d.stream, k.job(d.job_id), k.cancel(d.job_id)]
+            script_keys += self._tenant_keys(d)
+            script_keys += [k.tenant_limits(d.tenant), k.tenant_limits(None)]
+            args += [d.entry_id, d.job_id]
         reply = self._accept(keys=script_keys, args=args)
-        return [(Verdict(_str(verdict)), bool(int(flag))) for verdict, flag in reply]
+        return [
+            Accepted(Verdict(_str(verdict)), bool(int(flag)), float(at) if at else None)
+            for verdict, flag, at in reply
+        ]
+
+    def _tenant_keys(self, d: Delivery) -> list[str]:
+        """The tenant's queued and running sets, which every terminal write leaves."""
+        return [
+            self.keys.tenant_queued(d.tenant, self.model),
+            self.keys.tenant_running(d.tenant, self.model),
+        ]
 
     def tick(self, writes: Sequence[TickWrite], pipe: Any) -> None:
         """Queue one tick's fenced writes for every held job on `pipe` (tick.lua); the
         pipeline's reply for it goes to `parse_tick`."""
-        script_keys: list[str] = [self.stream]
+        script_keys: list[str] = []
         args: list[ScriptArg] = [
             GROUP,
             self.worker,
@@ -213,9 +277,11 @@ class WorkerQueue:
         ]
         for w in writes:
             k = self.keys
-            script_keys += [k.job(w.job_id), k.events(w.job_id), k.result(w.job_id)]
-            script_keys.append(k.cancel(w.job_id))
-            args += [w.entry_id, k.channel(w.job_id), len(w.events), "0" if w.end is None else "1"]
+            d = w.delivery
+            script_keys += [d.stream, k.job(w.job_id), k.events(w.job_id), k.result(w.job_id)]
+            script_keys += [k.cancel(w.job_id), *self._tenant_keys(d)]
+            args += [d.entry_id, w.job_id, k.channel(w.job_id), len(w.events)]
+            args.append("0" if w.end is None else "1")
             for event in w.events:
                 args += [event.index, encode(event)]
             if w.end is not None:
@@ -225,12 +291,14 @@ class WorkerQueue:
                 args += [str(result.finish_reason), encode(result), encode(finish)]
         # EVALSHA itself: a pipeline that runs a registered Script first sends SCRIPT
         # EXISTS, a second round trip per tick. The script is loaded at start
-        # (`load_tick`); after a Redis restart the reply is NoScriptError: load, resend.
+        # (`load_scripts`); after a Redis restart the reply is NoScriptError: load, resend.
         pipe.evalsha(self._tick.sha, len(script_keys), *script_keys, *args)
 
-    def load_tick(self) -> None:
-        """(Re)load tick.lua into Redis's script cache (at start, after NOSCRIPT)."""
+    def load_scripts(self) -> None:
+        """(Re)load the pipelined scripts (tick.lua, pull.lua) into Redis's script cache
+        (at start, after NOSCRIPT)."""
         self.redis.script_load(TICK_LUA)
+        self.redis.script_load(PULL_LUA)
 
     @staticmethod
     def parse_tick(reply: Any) -> list[TickReply]:
@@ -266,22 +334,27 @@ class WorkerQueue:
         An entry whose data was deleted while pending comes back `lost`, with
         payload None: dead-letter it. Dead consumers left with nothing pending are
         removed from the group. A live worker's entries are never claimed."""
-        try:
-            return claim_orphan_entries(
-                self.redis, self._claim, self.keys, self.stream, self.worker, max_count, min_idle_ms
-            )
-        except ResponseError as exc:
-            if not is_missing_group(exc):
-                raise
-            self.ensure_group()
-            return []
+        claimed: list[Delivery] = []
+        for stream in self.streams:  # the highest band's orphans first
+            left = max_count - len(claimed)
+            if left <= 0:
+                break
+            try:
+                claimed += claim_orphan_entries(
+                    self.redis, self._claim, self.keys, stream, self.worker, left, min_idle_ms
+                )
+            except ResponseError as exc:
+                if not is_missing_group(exc):
+                    raise
+                self.ensure_group()
+        return claimed
 
-    def redeliver(self, entry_id: str) -> int | None:
+    def redeliver(self, d: Delivery) -> int | None:
         """Count one more delivery of an entry this worker keeps (an in-process retry).
 
         Returns the new delivery count, or None when the entry is no longer this
         worker's (claimed, finished) or its data was deleted (redeliver.lua)."""
-        count = self._redeliver(keys=[self.stream], args=self._common_args(entry_id))
+        count = self._redeliver(keys=[d.stream], args=self._common_args(d.entry_id))
         return None if count is None else int(count)
 
     # --- terminal writes ----------------------------------------------------
@@ -301,7 +374,7 @@ class WorkerQueue:
         with nothing written, when the entry is not this worker's."""
         if (finish is None) != (result is None):
             raise ValueError("give both finish and result, or neither")
-        script_keys = [self.stream, self.keys.dead_letters()]
+        script_keys = [delivery.stream, self.keys.dead_letters()]
         args: list[ScriptArg] = [
             *self._common_args(delivery.entry_id),
             delivery.job_id or "",
@@ -315,7 +388,7 @@ class WorkerQueue:
         if finish is not None and result is not None:
             if result.job_id != finish.job_id:
                 raise ValueError("result and finish event are for different jobs")
-            script_keys += self._terminal_keys(finish.job_id)
+            script_keys += [*self._terminal_keys(finish.job_id), *self._tenant_keys(delivery)]
             args += self._terminal_args(result, finish)
         return bool(self._dead_letter(keys=script_keys, args=args))
 
@@ -335,6 +408,7 @@ class WorkerQueue:
             EVENTS_MAXLEN,
             EVENTS_TTL_S,
             self.keys.channel(finish.job_id),
+            finish.job_id,
         ]
 
     # --- heartbeat ------------------------------------------------------------
@@ -407,6 +481,15 @@ class InFlight:
 
 def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _named(reply: Any) -> list[tuple[str, Any, Any]]:
+    """XREADGROUP's entries with the stream each came from: (stream, id, fields)."""
+    if isinstance(reply, dict):
+        pairs = [(name, entries) for name, nested in reply.items() for entries in nested]
+    else:
+        pairs = [(name, entries) for name, entries in reply or []]
+    return [(_str(name), e[0], e[1]) for name, entries in pairs for e in entries]
 
 
 def entries_of(reply: Any) -> list[tuple[Any, Any]]:

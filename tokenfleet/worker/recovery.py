@@ -16,7 +16,7 @@ from typing import Any
 import redis
 
 from tokenfleet.fleet import text
-from tokenfleet.keys import GROUP, Keys, valid_job_id
+from tokenfleet.keys import DEFAULT_TENANT, GROUP, Keys, valid_job_id, valid_tenant
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,9 @@ class Delivery:
     no `payload` field or its data was deleted. `deliveries` counts how often the
     group handed it out (1 for a fresh read; each claim adds one). `lost` marks an
     entry whose data was deleted while pending: `claim_orphans` already took it off
-    the pending list, so only `dead_letter` applies to it.
+    the pending list, so only `dead_letter` applies to it. `stream` is the band's jobs
+    stream it was read from (entry ids are per stream); `tenant` is the entry's `tenant`
+    field (written by submit.lua; `default` when absent or invalid).
     """
 
     entry_id: str
@@ -36,11 +38,17 @@ class Delivery:
     payload: bytes | None
     deliveries: int = 1
     lost: bool = False
+    stream: str = ""
+    tenant: str = DEFAULT_TENANT
 
 
-def delivery(entry_id: Any, fields: dict[Any, Any] | None, deliveries: int) -> Delivery:
+def delivery(
+    entry_id: Any, fields: dict[Any, Any] | None, deliveries: int, stream: str
+) -> Delivery:
     """A `Delivery` from a stream entry's id and fields (bytes or str keys; None = deleted)."""
     fields = {text(k): v for k, v in (fields or {}).items()}
+    raw_tenant = fields.get("tenant")
+    tenant = text(raw_tenant) if isinstance(raw_tenant, bytes | str) else DEFAULT_TENANT
     payload = fields.get("payload")
     raw_id = fields.get("job_id")
     job_id: str | None = None
@@ -53,7 +61,12 @@ def delivery(entry_id: Any, fields: dict[Any, Any] | None, deliveries: int) -> D
     if isinstance(payload, str):
         payload = payload.encode()
     return Delivery(
-        text(entry_id), job_id, payload if isinstance(payload, bytes) else None, deliveries
+        text(entry_id),
+        job_id,
+        payload if isinstance(payload, bytes) else None,
+        deliveries,
+        stream=stream,
+        tenant=tenant if valid_tenant(tenant) else DEFAULT_TENANT,
     )
 
 
@@ -84,7 +97,8 @@ def claim_orphan_entries(
     for entry_id, deliveries, flat in reply:
         if flat:  # [f1, v1, f2, v2, ...]
             fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            claimed.append(delivery(entry_id, fields, int(deliveries)))
+            claimed.append(delivery(entry_id, fields, int(deliveries), stream))
         else:  # its data was deleted: the script took it off the pending list
-            claimed.append(Delivery(text(entry_id), None, None, int(deliveries), lost=True))
+            lost = Delivery(text(entry_id), None, None, int(deliveries), lost=True, stream=stream)
+            claimed.append(lost)
     return claimed

@@ -63,6 +63,7 @@ class Sequence:
     num_registered: int = 0  # leading blocks registered (or found) in the cache
     num_cached: int = 0  # leading tokens whose KV the cache supplied
     looked_up: bool = False  # its lookup is counted in the cache's stats
+    rank: int = 1  # its priority band's place in keys.BANDS (0 = interactive): prefill order
 
     @property
     def num_tokens(self) -> int:
@@ -217,7 +218,17 @@ class Scheduler:
         seq.num_computed = seq.num_cached = cached
         seq.num_registered = cached // self.blocks.block_size
         self._seqs[seq.session_id] = seq
-        self._waiting.append(seq)
+        # Ahead of every unstarted sequence of a lower band; never ahead of one whose
+        # prefill has begun (only the head is partial).
+        at = len(self._waiting)
+        while at > 0:
+            before = self._waiting[at - 1]
+            if before.status is not SeqStatus.WAITING or before.num_computed > before.num_cached:
+                break
+            if before.rank <= seq.rank:
+                break
+            at -= 1
+        self._waiting.insert(at, seq)
 
     # ---- one tick -----------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+-- Read up to `count` new entries for this worker from a model's priority bands: the
+-- highest band that has waiting entries first, except that a band which waited while
+-- `guard` jobs were pulled from higher bands gets the next pull (the starvation guard).
+-- The guard's counts live in one hash per model, so the share holds fleet-wide.
+--
+-- KEYS[1..n]  the model's jobs streams, highest band first (keys.bands(model))
+-- KEYS[n+1]   the guard's counts (keys.pulls(model)): band name -> jobs pulled from
+--             higher bands while it waited
+-- ARGV[1]  consumer group   ARGV[2]  this worker   ARGV[3]  count   ARGV[4]  guard
+-- ARGV[5..4+n]  the bands' names, in KEYS order
+--
+-- Reply: a list of {band index (0 = highest), entry id, fields}, fields a flat
+-- [f1, v1, ...] list, in the order pulled. Errors with NOGROUP when a band's stream
+-- exists without the group (Redis restarted, or a new band): create it and pull again.
+local n = #KEYS - 1
+local guard = tonumber(ARGV[4])
+
+-- Whether stream `s` holds an entry the group has not delivered yet.
+local function waiting(s)
+  if redis.call('EXISTS', s) == 0 then
+    return false
+  end
+  local last = nil
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', s)) do
+    local info = {}
+    for f = 1, #group, 2 do
+      info[group[f]] = group[f + 1]
+    end
+    if info['name'] == ARGV[1] then
+      last = info['last-delivered-id']
+    end
+  end
+  if not last then
+    return redis.error_reply('NOGROUP no group ' .. ARGV[1] .. ' on ' .. s)
+  end
+  local newest = redis.call('XREVRANGE', s, '+', '-', 'COUNT', 1)[1]
+  if not newest then
+    return false
+  end
+  local nm, ns = string.match(newest[1], '(%d+)-(%d+)')
+  local lm, ls = string.match(last, '(%d+)-(%d+)')
+  nm, ns, lm, ls = tonumber(nm), tonumber(ns), tonumber(lm), tonumber(ls)
+  return nm > lm or (nm == lm and ns > ls)
+end
+
+local open, passed = {}, {}
+local counts = redis.call('HMGET', KEYS[n + 1], unpack(ARGV, 5, 4 + n))
+for b = 1, n do
+  local w = waiting(KEYS[b])
+  if type(w) == 'table' then
+    return w
+  end
+  open[b] = w
+  passed[b] = w and (tonumber(counts[b]) or 0) or 0
+end
+
+local out = {}
+local left = tonumber(ARGV[3])
+while left > 0 do
+  local pick, want = nil, 1
+  for b = 1, n do
+    if open[b] and passed[b] >= guard then
+      pick = b
+      break
+    end
+  end
+  if not pick then
+    for b = 1, n do
+      if open[b] then
+        pick = b
+        break
+      end
+    end
+    if not pick then
+      break
+    end
+    -- As many as can be pulled from this band before a band below is due.
+    want = left
+    for b = pick + 1, n do
+      if open[b] then
+        want = math.min(want, guard - passed[b])
+      end
+    end
+  end
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want,
+                           'STREAMS', KEYS[pick], '>')
+  local entries = {}
+  if reply and type(reply[1]) == 'table' then
+    entries = reply[1][2]  -- Redis: {{stream, entries}}
+  elseif reply and reply[1] then
+    entries = reply[2]  -- fakeredis (the demo without redis-server): {stream, entries}
+  end
+  if #entries < want then
+    open[pick] = false
+  else
+    open[pick] = waiting(KEYS[pick]) == true  -- it may have just emptied
+  end
+  for _, e in ipairs(entries) do
+    out[#out + 1] = {pick - 1, e[1], e[2]}
+  end
+  if #entries > 0 then
+    passed[pick] = 0
+    for b = pick + 1, n do
+      if open[b] then
+        passed[b] = passed[b] + #entries
+      end
+    end
+    left = left - #entries
+  end
+end
+
+local flat = {}
+for b = 1, n do
+  flat[#flat + 1] = ARGV[4 + b]
+  flat[#flat + 1] = open[b] and passed[b] or 0  -- a band that emptied starts over
+end
+redis.call('HSET', KEYS[n + 1], unpack(flat))
+return out

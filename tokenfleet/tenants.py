@@ -1,0 +1,258 @@
+"""Tenants: the limits operators give them, and what each has queued and running.
+
+Every job belongs to a tenant (`GenerationRequest.tenant`, `default` unless it names
+one). The keys (keys.py): `tenant:<name>:limits`, a hash with `queued_share` and
+`max_running`; `tenant:*:limits`, the same fields for every tenant without its own;
+`tenant:<name>:queued:<model>` and `tenant:<name>:running:<model>`, sorted sets of the
+tenant's job ids; `tenants`, the set of tenant names seen.
+
+The scripts enforce the limits: submit.lua refuses a job (`TenantQueueFull`) when its
+tenant already has max(1, floor(queued_share × cap)) jobs of the model queued, the cap
+being the model's (each band's) queue cap; accept.lua puts a job back at the tail of its
+band when its tenant already runs `max_running` jobs of the model fleet-wide. Each field
+falls back to the `*` hash on its own, and a value that is not a number counts as unset,
+as the scripts read them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tokenfleet.fleet import text
+from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT, Keys, valid_tenant
+
+QUEUED_SHARE = "queued_share"
+MAX_RUNNING = "max_running"
+DEFAULTS = "*"  # the name that stands for the default limits (`tokenfleet tenants set '*'`)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's limits; None = no limit from this source."""
+
+    queued_share: float | None = None  # in (0, 1]: its share of each model's queue cap
+    max_running: int | None = None  # ≥ 1: its sessions of a model running fleet-wide
+
+    @property
+    def empty(self) -> bool:
+        return self.queued_share is None and self.max_running is None
+
+    def over(self, fallback: TenantLimits) -> TenantLimits:
+        """These limits, each unset field taken from `fallback` (a tenant's own over `*`)."""
+        return TenantLimits(
+            queued_share=fallback.queued_share if self.queued_share is None else self.queued_share,
+            max_running=fallback.max_running if self.max_running is None else self.max_running,
+        )
+
+    def queued_limit(self, cap: int) -> int | None:
+        """How many jobs of a model whose queue cap is `cap` the tenant may have queued, as
+        submit.lua computes it; None: no limit."""
+        if self.queued_share is None:
+            return None
+        return max(1, math.floor(self.queued_share * cap))
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {QUEUED_SHARE: self.queued_share, MAX_RUNNING: self.max_running}
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's jobs of one model: waiting in a stream, and started and not finished."""
+
+    queued: int = 0
+    running: int = 0
+
+
+def validate_limits(queued_share: float | None, max_running: int | None) -> None:
+    """Raise ValueError naming the field unless each given limit is in its range."""
+    if queued_share is not None and not (
+        isinstance(queued_share, int | float)
+        and not isinstance(queued_share, bool)
+        and math.isfinite(queued_share)
+        and 0 < queued_share <= 1
+    ):
+        raise ValueError(
+            f"queued_share must be a number in (0, 1] (a share of the queue cap), "
+            f"got {queued_share!r}"
+        )
+    if max_running is not None and not (
+        isinstance(max_running, int) and not isinstance(max_running, bool) and max_running >= 1
+    ):
+        raise ValueError(f"max_running must be an integer ≥ 1, got {max_running!r}")
+
+
+def _number(raw: Any) -> float | None:
+    """A hash value as the scripts' `tonumber` reads it; None when it is not a number."""
+    if raw is None:
+        return None
+    try:
+        value = float(text(raw))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _parse(share: Any, running: Any) -> TenantLimits:
+    """Limits from the raw HMGET values of `queued_share` and `max_running`. A
+    fractional `max_running` is rounded up: the script waits while running ≥ it."""
+    most = _number(running)
+    return TenantLimits(_number(share), None if most is None else math.ceil(most))
+
+
+def set_limits(
+    client: redis.Redis,
+    keys: Keys,
+    tenant: str | None,
+    *,
+    queued_share: float | None = None,
+    max_running: int | None = None,
+    clear: bool = False,
+) -> TenantLimits:
+    """Set a tenant's limits (None: the `*` default limits); fields not given are left as
+    they are. `clear=True` first deletes the tenant's limits hash, so afterwards it has
+    only the fields given here (none: it falls back to `*` entirely); the delete and
+    the writes are one round trip, not one transaction. A named tenant joins the set of
+    tenants, so `tokenfleet tenants` lists it before its first job. Returns the
+    tenant's own limits as Redis now holds them."""
+    validate_limits(queued_share, max_running)
+    if not clear and queued_share is None and max_running is None:
+        raise ValueError("nothing to set: give queued_share, max_running or clear")
+    key = keys.tenant_limits(tenant)  # raises ValueError for an invalid name
+    fields: dict[str, str] = {}
+    if queued_share is not None:
+        fields[QUEUED_SHARE] = repr(float(queued_share))
+    if max_running is not None:
+        fields[MAX_RUNNING] = str(max_running)
+    pipe = client.pipeline(transaction=False)
+    if clear:
+        pipe.delete(key)
+    if fields:
+        pipe.hset(key, mapping=fields)
+    if tenant is not None:
+        pipe.sadd(keys.tenants(), tenant)
+    pipe.hmget(key, QUEUED_SHARE, MAX_RUNNING)
+    share, running = pipe.execute()[-1]
+    return _parse(share, running)
+
+
+def get_limits(client: redis.Redis, keys: Keys, tenant: str | None) -> TenantLimits:
+    """The limits the scripts apply to `tenant`: its own hash, each field falling back to
+    the `*` hash (None: the `*` limits alone)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.tenant_limits(tenant), QUEUED_SHARE, MAX_RUNNING)
+    pipe.hmget(keys.tenant_limits(None), QUEUED_SHARE, MAX_RUNNING)
+    own, defaults = pipe.execute()
+    return _parse(*own).over(_parse(*defaults))
+
+
+def tenant_names(client: redis.Redis, keys: Keys) -> list[str]:
+    """Every tenant name seen, sorted (a member that is not a valid name is skipped)."""
+    return valid_names(client.smembers(keys.tenants()))
+
+
+def valid_names(members: Iterable[Any]) -> list[str]:
+    """The valid tenant names of an SMEMBERS reply of `keys.tenants()`, sorted."""
+    return sorted(name for name in map(text, members) if valid_tenant(name))
+
+
+# ---- usage (the requests and the decoding serve the sync and asyncio clients alike) -----
+
+
+def pipeline_usage(pipe: Any, keys: Keys, names: Sequence[str], models: Sequence[str]) -> None:
+    """Queue the ZCARDs of every tenant's queued and running sets of every model on `pipe`
+    (a sync or an asyncio pipeline); `decode_usage` reads the replies."""
+    for model in models:
+        for name in names:
+            pipe.zcard(keys.tenant_queued(name, model))
+            pipe.zcard(keys.tenant_running(name, model))
+
+
+def decode_usage(
+    names: Sequence[str], models: Sequence[str], replies: Sequence[Any]
+) -> dict[str, dict[str, TenantUsage]]:
+    """Model -> tenant -> usage from the replies to `pipeline_usage`, in its order."""
+    out: dict[str, dict[str, TenantUsage]] = {}
+    i = 0
+    for model in models:
+        by_tenant = out.setdefault(model, {})
+        for name in names:
+            by_tenant[name] = TenantUsage(queued=int(replies[i]), running=int(replies[i + 1]))
+            i += 2
+    return out
+
+
+def usage_by_model(
+    client: redis.Redis, keys: Keys, models: Iterable[str]
+) -> dict[str, dict[str, TenantUsage]]:
+    """Model -> tenant -> usage, for every tenant seen (zeros included): SMEMBERS of the
+    tenants, then every ZCARD in one pipelined round trip."""
+    names, wanted = tenant_names(client, keys), list(models)
+    if not names:
+        return {model: {} for model in wanted}
+    pipe = client.pipeline(transaction=False)
+    pipeline_usage(pipe, keys, names, wanted)
+    return decode_usage(names, wanted, pipe.execute())
+
+
+def tenant_usage(
+    client: redis.Redis, keys: Keys, model: str | None = None
+) -> dict[str, TenantUsage]:
+    """Every tenant seen and its jobs of `model` queued and running (zeros included)."""
+    name = model or DEFAULT_MODEL
+    return usage_by_model(client, keys, [name])[name]
+
+
+# ---- the operator's view ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TenantView:
+    name: str
+    own: TenantLimits  # its own limits hash
+    limits: TenantLimits  # what the scripts apply: its own, each field falling back to `*`
+    usage: Mapping[str, TenantUsage]  # by model
+
+
+@dataclass(frozen=True)
+class TenantsReport:
+    defaults: TenantLimits  # the `*` hash
+    tenants: Mapping[str, TenantView]  # by name, sorted
+
+    @property
+    def notable(self) -> bool:
+        """Whether there is anything to show beyond one tenant with no limits: a tenant
+        other than `default`, or any limits set."""
+        return (
+            any(name != DEFAULT_TENANT for name in self.tenants)
+            or not self.defaults.empty
+            or any(not view.own.empty for view in self.tenants.values())
+        )
+
+
+def read_tenants(client: redis.Redis, keys: Keys, models: Iterable[str]) -> TenantsReport:
+    """Every tenant seen, with its limits and its usage of each of `models`, and the `*`
+    limits: SMEMBERS, then one pipelined round trip (HMGETs and ZCARDs)."""
+    names, wanted = tenant_names(client, keys), list(models)
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.tenant_limits(None), QUEUED_SHARE, MAX_RUNNING)
+    for name in names:
+        pipe.hmget(keys.tenant_limits(name), QUEUED_SHARE, MAX_RUNNING)
+    pipeline_usage(pipe, keys, names, wanted)
+    replies = pipe.execute()
+    defaults = _parse(*replies[0])
+    usage = decode_usage(names, wanted, replies[1 + len(names) :])
+    tenants = {}
+    for i, name in enumerate(names):
+        own = _parse(*replies[1 + i])
+        tenants[name] = TenantView(
+            name=name,
+            own=own,
+            limits=own.over(defaults),
+            usage={model: usage[model][name] for model in wanted},
+        )
+    return TenantsReport(defaults=defaults, tenants=tenants)
