@@ -13,7 +13,8 @@ redis-server this program starts on a free port. Each round submits the flood at
 has started 16 of them, then submits 8 interactive jobs (16 new tokens) 0.5 s apart,
 while the flood is still being served. Per interactive job: its queue wait (the
 result's `timings.queued_s`: submit -> a worker admitted it) and its time to first
-token. Per round: the flood's tok/s (it should not pay for the bands). Rounds
+token. Per round: the flood's tok/s (it should not pay for the bands) and how many
+batch sessions the worker preempted for interactive ones. Rounds
 alternate which variant goes first; min / median / max over rounds of each round's
 median and worst interactive wait.
 """
@@ -64,10 +65,22 @@ def flood(tag: str, n: int, priority: str, rng: random.Random) -> list[Generatio
     ]
 
 
+def preemptions(workers: LocalWorkers) -> int:
+    """The worker's preempted_total once its heartbeat caught up (no job in flight)."""
+    return int(workers.settle()["priority-w"].get("preempted_total", 0))
+
+
 def one_round(
-    producer: Producer, client: redis.Redis, tag: str, n: int, bands: bool, seed: int
+    producer: Producer,
+    client: redis.Redis,
+    workers: LocalWorkers,
+    tag: str,
+    n: int,
+    bands: bool,
+    seed: int,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
+    preempted_before = preemptions(workers)
     jobs = flood(tag, n, "batch" if bands else "default", rng)
     started = time.perf_counter()
     for outcome in producer.submit_many(jobs):
@@ -102,6 +115,7 @@ def one_round(
         tokens += len(producer.handle(job.job_id).result(timeout=TIMEOUT_S).token_ids)
     wall = time.perf_counter() - started
     return {
+        "preempted": preemptions(workers) - preempted_before,
         "variant": "bands" if bands else "fifo",
         "interactive_wait_s": waits,
         "interactive_ttft_s": ttfts,
@@ -142,12 +156,14 @@ def main() -> None:
             order = (True, False) if r % 2 == 0 else (False, True)
             for bands in order:
                 tag = f"r{r}-{'bands' if bands else 'fifo'}"
-                got = one_round(producer, client, tag, args.flood, bands, seed=r)
+                seed = 2 * r + int(bands)  # fresh prompts: none found in the prefix cache
+                got = one_round(producer, client, workers, tag, args.flood, bands, seed)
                 runs[got["variant"]].append(got)
                 print(
                     f"round {r} {got['variant']:5s} wait p50 {got['wait_p50_s'] * 1000:8.1f} ms "
                     f"max {got['wait_max_s'] * 1000:8.1f} ms  ttft p50 "
                     f"{got['ttft_p50_s'] * 1000:8.1f} ms  flood {got['flood_tok_s']:6.1f} tok/s "
+                    f"preempted {got['preempted']} "
                     f"load {got['load']['loadavg'][0]:.2f}",
                     flush=True,
                 )

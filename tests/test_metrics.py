@@ -35,7 +35,11 @@ def test_metrics_count_what_the_worker_served(fleet: Fleet, r: redis.Redis) -> N
     producer = Producer(r)
     requests = [
         GenerationRequest(
-            job_id=f"m{i}", prompt_ids=list(range(1, 4 + i)), max_new_tokens=5 + i, ignore_eos=True
+            job_id=f"m{i}",
+            prompt_ids=list(range(1, 4 + i)),
+            max_new_tokens=5 + i,
+            ignore_eos=True,
+            tenant="acme" if i < 3 else "default",
         )
         for i in range(4)
     ]
@@ -57,6 +61,10 @@ def test_metrics_count_what_the_worker_served(fleet: Fleet, r: redis.Redis) -> N
     assert m[("tokenfleet_generation_tokens_total", ())] == generated
     assert m[("tokenfleet_prompt_tokens_total", ())] == prompt_tokens
     assert m[("tokenfleet_request_success_total", (("finished_reason", "stop"),))] == 0
+    acme = (("finished_reason", "length"), ("tenant", "acme"))
+    assert m[("tokenfleet_tenant_finished_total", acme)] == 3
+    assert m[("tokenfleet_tenant_generation_tokens_total", (("tenant", "acme"),))] == 5 + 6 + 7
+    assert m[("tokenfleet_tenant_generation_tokens_total", (("tenant", "default"),))] == 8
     assert m[("tokenfleet_time_to_first_token_seconds_count", ())] == 4
     assert m[("tokenfleet_e2e_request_latency_seconds_count", ())] == 4
     assert m[("tokenfleet_request_queue_time_seconds_count", ())] == 4

@@ -8,6 +8,8 @@
 --             higher bands while it waited
 -- ARGV[1]  consumer group   ARGV[2]  this worker   ARGV[3]  count   ARGV[4]  guard
 -- ARGV[5..4+n]  the bands' names, in KEYS order
+-- ARGV[5+n]  extra: how many more it may take from the highest band alone (a worker
+--            with no room but lower-band jobs running, which these would preempt)
 --
 -- Reply: a list of {band index (0 = highest), entry id, fields}, fields a flat
 -- [f1, v1, ...] list, in the order pulled. Errors with NOGROUP when a band's stream
@@ -55,6 +57,36 @@ for b = 1, n do
 end
 
 local out = {}
+
+-- Pull up to `want` entries of band `b`; returns how many came.
+local function take(b, want)
+  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want,
+                           'STREAMS', KEYS[b], '>')
+  local entries = {}
+  if reply and type(reply[1]) == 'table' then
+    entries = reply[1][2]  -- Redis: {{stream, entries}}
+  elseif reply and reply[1] then
+    entries = reply[2]  -- fakeredis (the demo without redis-server): {stream, entries}
+  end
+  if #entries < want then
+    open[b] = false
+  else
+    open[b] = waiting(KEYS[b]) == true  -- it may have just emptied
+  end
+  for _, e in ipairs(entries) do
+    out[#out + 1] = {b - 1, e[1], e[2]}
+  end
+  if #entries > 0 then
+    passed[b] = 0
+    for below = b + 1, n do
+      if open[below] then
+        passed[below] = passed[below] + #entries
+      end
+    end
+  end
+  return #entries
+end
+
 local left = tonumber(ARGV[3])
 while left > 0 do
   local pick, want = nil, 1
@@ -82,31 +114,11 @@ while left > 0 do
       end
     end
   end
-  local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want,
-                           'STREAMS', KEYS[pick], '>')
-  local entries = {}
-  if reply and type(reply[1]) == 'table' then
-    entries = reply[1][2]  -- Redis: {{stream, entries}}
-  elseif reply and reply[1] then
-    entries = reply[2]  -- fakeredis (the demo without redis-server): {stream, entries}
-  end
-  if #entries < want then
-    open[pick] = false
-  else
-    open[pick] = waiting(KEYS[pick]) == true  -- it may have just emptied
-  end
-  for _, e in ipairs(entries) do
-    out[#out + 1] = {pick - 1, e[1], e[2]}
-  end
-  if #entries > 0 then
-    passed[pick] = 0
-    for b = pick + 1, n do
-      if open[b] then
-        passed[b] = passed[b] + #entries
-      end
-    end
-    left = left - #entries
-  end
+  left = left - take(pick, want)
+end
+local extra = tonumber(ARGV[5 + n]) or 0
+if extra > 0 and open[1] then
+  take(1, extra)
 end
 
 local flat = {}

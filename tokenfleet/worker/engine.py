@@ -186,11 +186,15 @@ class Engine:
             self._reject(request, decision.reason, decision.message, now)
         return decision
 
-    def _wait(self, session: Session) -> None:
-        """Queue locally, ahead of every waiting job of a lower priority band."""
+    def _wait(self, session: Session, *, first_of_band: bool = False) -> None:
+        """Queue locally, ahead of every waiting job of a lower priority band (and, with
+        `first_of_band`, of its own band: a preempted session resumes first)."""
         rank = _rank(session)
         at = len(self.waiting)
-        while at > 0 and _rank(self.waiting[at - 1]) > rank:
+        while at > 0 and (
+            _rank(self.waiting[at - 1]) > rank
+            or (first_of_band and _rank(self.waiting[at - 1]) == rank)
+        ):
             at -= 1
         self.waiting.insert(at, session)
 
@@ -411,18 +415,54 @@ class Engine:
             block_hashes=list(self._block_hashes(session)),
         )
         self.scheduler.add(session.seq)
-        session.admitted_at = now
+        if session.admitted_at is None:  # a preempted session keeps its first admission
+            session.admitted_at = now
         self.sessions[session.job_id] = session
         self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)
 
     def _promote(self, now: float) -> None:
-        while self.waiting and self.admission.fits_now(
-            self._admission_request(self.waiting[0]),
-            active_count=len(self.sessions),
-            kv=self.blocks,
-            scratch_in_use=self.scratch_in_use,
-        ):
-            self._start(self.waiting.popleft(), now)
+        """Start waiting jobs in order while they fit; a head that does not fit takes the
+        place of running jobs of lower bands, one at a time (`_preempt`)."""
+        while self.waiting:
+            head = self.waiting[0]
+            fits = self.admission.fits_now(
+                self._admission_request(head),
+                active_count=len(self.sessions),
+                kv=self.blocks,
+                scratch_in_use=self.scratch_in_use,
+            )
+            if fits:
+                self._start(self.waiting.popleft(), now)
+            elif not self._preempt(_rank(head)):
+                return
+
+    def _preempt(self, rank: int) -> bool:
+        """Put back one running session of a band below `rank` (the lowest band, and of
+        it the one with the least computed) to wait: its KV is freed (its full blocks
+        stay in the prefix cache), and it later resumes from prompt + emitted tokens,
+        recomputing their KV, with the same session (its events, sampler stream, grammar
+        state). False when there is none. Running jobs of the same band never preempt
+        each other, so two bands cannot take turns throwing each other out."""
+        lower = [s for s in self.sessions.values() if _rank(s) > rank]
+        if not lower:
+            return False
+        victim = max(
+            lower, key=lambda s: (_rank(s), -(s.seq.num_computed if s.seq is not None else 0))
+        )
+        self._remove(victim)
+        victim.seq = None
+        victim.block_hashes = None  # prompt + what it emitted: looked up again
+        self._wait(victim, first_of_band=True)
+        self.stats.record_preemption()
+        return True
+
+    def interactive_room(self) -> int:
+        """How many interactive jobs to pull beyond `room()`: as many as there are running
+        sessions of lower bands for them to preempt (less the interactive jobs already
+        waiting here), at most the local waiting list's size."""
+        lower = sum(1 for s in self.sessions.values() if _rank(s) > 0)
+        waiting = sum(1 for s in self.waiting if _rank(s) == 0)
+        return max(0, min(lower, self.budget.max_waiting) - waiting)
 
     def _expire(self, now: float) -> None:
         """End jobs past their deadline, and jobs not started yet past their queue deadline

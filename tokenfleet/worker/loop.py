@@ -450,24 +450,28 @@ class Worker:
         are read by `_receive`, after the next tick computed: Redis works meanwhile."""
         assert self.in_flight is None, "a round trip is already in flight"
         held = list(self.held.values())
-        read = 0
+        read = extra = 0
         if not self.draining and (self.engine.has_work or held):
             read = self.engine.room() - len(self.prefetched)
-        if not held and read <= 0 and not self._heartbeat_due():
+            # interactive jobs that would preempt lower bands running here
+            top = self.queue.streams[0]
+            extra = self.engine.interactive_room()
+            extra -= sum(1 for d in self.prefetched if d.stream == top)
+        if not held and read <= 0 and extra <= 0 and not self._heartbeat_due():
             return
         pipe = self.redis.pipeline(transaction=False)
         writes = [self._write_of(h) for h in held]
         if writes:
             self.queue.tick(writes, pipe)
-        if read > 0:
-            self.queue.pull(read, pipe)
+        if read > 0 or extra > 0:
+            self.queue.pull(max(0, read), pipe, max(0, extra))
         if self._heartbeat_due():
             self.heartbeat(pipe=pipe)
         errors = [
             h.end if h.end is not None and w.end is None else None
             for h, w in zip(held, writes, strict=True)
         ]
-        self.in_flight = _RoundTrip(InFlight(self.redis, pipe), held, errors, read > 0)
+        self.in_flight = _RoundTrip(InFlight(self.redis, pipe), held, errors, read > 0 or extra > 0)
 
     def _receive(self) -> None:
         """Apply the replies of the round trip in flight, if any."""

@@ -194,17 +194,19 @@ class WorkerQueue:
         reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, block_ms)
         return [delivery(entry_id, fields, 1, stream) for stream, entry_id, fields in _named(reply)]
 
-    def pull(self, count: int, pipe: Any) -> None:
-        """Queue a read of up to `count` new entries (pull.lua) on `pipe`; its reply goes
-        to `parse_pull`. Loaded at start (`load_scripts`), like tick.lua."""
+    def pull(self, count: int, pipe: Any, extra: int = 0) -> None:
+        """Queue a read of up to `count` new entries (pull.lua) on `pipe`, plus up to
+        `extra` more of the highest band alone; its reply goes to `parse_pull`. Loaded
+        at start (`load_scripts`), like tick.lua."""
         script_keys = self._pull_keys()
-        pipe.evalsha(self._pull.sha, len(script_keys), *script_keys, *self._pull_args(count))
+        args = self._pull_args(count, extra)
+        pipe.evalsha(self._pull.sha, len(script_keys), *script_keys, *args)
 
     def _pull_keys(self) -> list[str]:
         return [*self.streams, self.keys.pulls(self.model)]
 
-    def _pull_args(self, count: int) -> list[ScriptArg]:
-        return [GROUP, self.worker, count, self.guard, *BANDS]
+    def _pull_args(self, count: int, extra: int = 0) -> list[ScriptArg]:
+        return [GROUP, self.worker, count, self.guard, *BANDS, extra]
 
     def parse_pull(self, reply: Any) -> list[Delivery]:
         out = []

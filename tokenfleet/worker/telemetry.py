@@ -63,6 +63,7 @@ class EngineStats:
         self.rejected: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.lost = 0  # jobs dropped because another worker owns them now
+        self.preempted = 0  # sessions put back to wait for a job of a higher band
         self.step_s = 0.0  # seconds inside Engine.step (every call, idle ones included)
         self.runner_s = 0.0  # seconds inside ModelRunner.execute (forward + sampling)
 
@@ -97,6 +98,9 @@ class EngineStats:
 
     def record_lost(self) -> None:
         self.lost += 1
+
+    def record_preemption(self) -> None:
+        self.preempted += 1
 
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second of wall time over the recent window.
@@ -160,6 +164,7 @@ class EngineStats:
             "rejected_by_reason": dict(self.rejected),
             "finished_by_reason": dict(self.finished),
             "lost_total": self.lost,
+            "preempted_total": self.preempted,
         }
 
     def _prune(self, now: float) -> None:
