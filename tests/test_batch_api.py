@@ -281,3 +281,50 @@ def test_a_gateway_killed_mid_batch_is_finished_by_another_each_line_once(
                 proc.terminate()
                 proc.wait(timeout=30)
         r.close()
+
+
+def test_files_and_batches_belong_to_the_tenant_of_the_key_that_made_them(
+    env: GatewayEnv, redis_server: RedisServer
+) -> None:
+    """Two API keys of two tenants on one gateway: acme's file, batch and the batch's
+    output file are acme's; zeta's key gets 404 for each, sees none of them listed, can
+    neither cancel the batch, delete the file nor start a batch from it."""
+    gateway = driving(redis_server.url, api_keys=("k-acme=acme", "k-zeta=zeta"))
+    try:
+        base = gateway.client().base_url
+        acme = openai.OpenAI(base_url=base, api_key="k-acme", max_retries=0)
+        zeta = openai.OpenAI(base_url=base, api_key="k-zeta", max_retries=0)
+        batch = start_batch(acme, jsonl([chat_line("a0", "tenant test", 3)]))
+        done = wait_status(acme, batch.id, {"completed", "failed"})
+        assert done.status == "completed"
+        for file_id in (batch.input_file_id, done.output_file_id):
+            assert acme.files.retrieve(file_id).id == file_id
+            with pytest.raises(openai.NotFoundError):
+                zeta.files.retrieve(file_id)
+            with pytest.raises(openai.NotFoundError):
+                zeta.files.content(file_id)
+            with pytest.raises(openai.NotFoundError):
+                zeta.files.delete(file_id)
+        with pytest.raises(openai.NotFoundError):
+            zeta.batches.retrieve(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            zeta.batches.cancel(batch.id)
+        with pytest.raises(openai.NotFoundError):
+            zeta.batches.create(
+                input_file_id=batch.input_file_id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            )
+        assert batch.id in [b.id for b in acme.batches.list()]
+        assert [b.id for b in zeta.batches.list()] == []
+        mine = {f.id for f in acme.files.list()}
+        assert {batch.input_file_id, done.output_file_id} <= mine
+        assert not {f.id for f in zeta.files.list()} & mine
+        # tokenfleet's own fields stay private
+        raw = httpx.get(
+            f"{base}files/{batch.input_file_id}", headers={"Authorization": "Bearer k-acme"}
+        ).json()
+        assert not [k for k in raw if k.startswith("tokenfleet_")]
+        assert acme.files.delete(batch.input_file_id).deleted
+    finally:
+        gateway.stop()

@@ -135,13 +135,13 @@ GATEWAY = Role(
     (
         *_SUBMIT_WRITES,
         Scope(
-            ("file:*", "files", "batch:*", "batches", "batches:*"),
+            ("file:*", "files", "files:*", "batch:*", "batches", "batches:*"),
             {
                 "sadd": "the set of unfinished batches",
                 "srem": "a batch that ended leaves the set of unfinished ones",
                 "set": "/v1/files: a file's bytes; lease.lua: the batch driver's lease",
                 "hset": "a file's or batch's object; a batch's results as lines end",
-                "zadd": "the lists of files and batches",
+                "zadd": "the lists of files and batches, all and per tenant",
                 "zrem": "DELETE /v1/files/ID",
                 "del": "DELETE /v1/files/ID; a finished batch's results and lease",
                 "pexpire": "lease.lua: the batch driver renews its lease",

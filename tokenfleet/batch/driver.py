@@ -290,9 +290,9 @@ class Run:
         good = [entry for entry in ordered if succeeded(entry)]
         bad = [entry for entry in ordered if not succeeded(entry)]
         if good:
-            doc["output_file_id"] = (await self._file(good, "output"))["id"]
+            doc["output_file_id"] = (await self._file(good, "output", doc))["id"]
         if bad:
-            doc["error_file_id"] = (await self._file(bad, "error"))["id"]
+            doc["error_file_id"] = (await self._file(bad, "error", doc))["id"]
         doc["status"] = status
         doc[f"{status}_at"] = now()
         if status == "completed":
@@ -300,9 +300,13 @@ class Run:
         await self.store.drop_results(self.id)
         return doc
 
-    async def _file(self, lines: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    async def _file(
+        self, lines: list[dict[str, Any]], what: str, doc: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A result file, owned by the batch's tenant."""
         data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-        return await self.store.put_file(data, f"{self.id}_{what}.jsonl", "batch_output")
+        name = f"{self.id}_{what}.jsonl"
+        return await self.store.put_file(data, name, "batch_output", tenant_of(doc))
 
     def _failed(self, doc: dict[str, Any], errors: list[dict[str, Any]]) -> dict[str, Any]:
         doc["status"], doc["failed_at"] = "failed", now()

@@ -2,16 +2,24 @@
 
 Keys (under the fleet's prefix P):
 
-    P file:ID            hash: the file object (id, bytes, created_at, filename, purpose)
+    P file:ID            hash: the file object (id, bytes, created_at, filename, purpose,
+                         and the owning tenant in `tokenfleet_tenant`)
     P file:ID:content    string: the bytes (at most `max_file_bytes`)
     P files              zset: file ids by creation time
+    P files:by-tenant:T  zset: tenant T's file ids by creation time
     P batch:ID           hash: `doc` (the batch object, JSON, with the driver's own
                          `tokenfleet_*` fields: the creator's tenant, lines submitted),
                          `cancel` (a cancel request)
     P batch:ID:results   hash: line index -> its output or error line (JSON), as lines end
     P batch:ID:lease     string: the gateway driving the batch (lua/lease.lua; renewed)
     P batches            zset: batch ids by creation time
+    P batches:by-tenant:T  zset: tenant T's batch ids by creation time
     P batches:open       set: the batches not finished yet (what drivers look at)
+
+Files and batches belong to a tenant (the API key's that made them; a batch's output
+and error files, to the batch's): a caller of another tenant is told they do not exist
+(`NotFound`), and lists hold only the caller's. Methods take `tenant=None` where the
+driver acts for every tenant.
 
 Why Redis and not a shared directory: the fleet already depends on Redis being there
 and persistent, every replica reaches it, and nothing else has to be mounted into
@@ -37,12 +45,19 @@ LEASE_MS = 15_000  # a driver that stops renewing loses its batches after this l
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
-TENANT_FIELD = "tokenfleet_tenant"  # in a batch's doc: whose jobs its lines become
+TENANT_FIELD = "tokenfleet_tenant"  # in a file's or batch's doc: the tenant owning it
 
 
 def tenant_of(doc: dict[str, Any]) -> str:
-    """The tenant a batch's jobs run for (`default` for batches made before tenants)."""
+    """The tenant owning a file or batch, whose jobs a batch's lines become (`default`
+    for objects made before tenants)."""
     return str(doc.get(TENANT_FIELD) or DEFAULT_TENANT)
+
+
+def _owned(doc: dict[str, Any], tenant: str | None, what: str) -> dict[str, Any]:
+    if tenant is not None and tenant_of(doc) != tenant:
+        raise NotFound(f"no {what} {doc['id']!r}")  # another tenant's: not for this caller
+    return doc
 
 
 class FileTooLarge(ValueError):
@@ -77,7 +92,13 @@ class BatchStore:
 
     # ---- files ------------------------------------------------------------------------
 
-    async def put_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
+    def _mine(self, kind: str, tenant: str) -> str:
+        """The zset of one tenant's files or batches (`kind`: files | batches)."""
+        return f"{self.p}{kind}:by-tenant:{tenant}"
+
+    async def put_file(
+        self, content: bytes, filename: str, purpose: str, tenant: str = DEFAULT_TENANT
+    ) -> dict[str, Any]:
         if len(content) > self.max_file_bytes:
             raise FileTooLarge(
                 f"the file has {len(content):,} bytes; this gateway stores at most "
@@ -92,44 +113,56 @@ class BatchStore:
             "filename": filename,
             "purpose": purpose,
             "status": "processed",
+            TENANT_FIELD: tenant,
         }
         key = self.file_key(file_id)
+        created = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.set(f"{key}:content", content)
             pipe.hset(key, mapping={"doc": json.dumps(doc)})
-            pipe.zadd(f"{self.p}files", {file_id: time.time()})
+            pipe.zadd(f"{self.p}files", {file_id: created})
+            pipe.zadd(self._mine("files", tenant), {file_id: created})
             await pipe.execute()
         return doc
 
-    async def file(self, file_id: str) -> dict[str, Any]:
+    async def file(self, file_id: str, tenant: str | None = None) -> dict[str, Any]:
+        """The file object; NotFound when it does not exist or `tenant` does not own it."""
         raw = await self.r.hget(self.file_key(file_id), "doc")
         if raw is None:
             raise NotFound(f"no file {file_id!r}")
-        doc: dict[str, Any] = json.loads(raw)
-        return doc
+        return _owned(json.loads(raw), tenant, "file")
 
-    async def content(self, file_id: str) -> bytes:
+    async def content(self, file_id: str, tenant: str | None = None) -> bytes:
+        if tenant is not None:
+            await self.file(file_id, tenant)
         data = await self.r.get(f"{self.file_key(file_id)}:content")
         if data is None:
             raise NotFound(f"no file {file_id!r}")
         return bytes(data)
 
-    async def files(self, limit: int = 100) -> list[dict[str, Any]]:
-        ids = await self.r.zrevrange(f"{self.p}files", 0, limit - 1)
+    async def files(self, tenant: str, limit: int = 100) -> list[dict[str, Any]]:
+        """The tenant's files, newest first."""
+        ids = await self.r.zrevrange(self._mine("files", tenant), 0, limit - 1)
         docs = []
         for raw_id in ids:
             try:
-                docs.append(await self.file(raw_id.decode()))
+                docs.append(await self.file(raw_id.decode(), tenant))
             except NotFound:
                 continue
         return docs
 
-    async def delete_file(self, file_id: str) -> bool:
+    async def delete_file(self, file_id: str, tenant: str | None = None) -> bool:
+        """Delete the file (False when there is none that `tenant` owns)."""
+        try:
+            doc = await self.file(file_id, tenant)
+        except NotFound:
+            return False
         key = self.file_key(file_id)
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.delete(key, f"{key}:content")
             pipe.zrem(f"{self.p}files", file_id)
-            deleted, _ = await pipe.execute()
+            pipe.zrem(self._mine("files", tenant_of(doc)), file_id)
+            deleted, *_ = await pipe.execute()
         return bool(deleted)
 
     # ---- batches ----------------------------------------------------------------------
@@ -138,18 +171,20 @@ class BatchStore:
         """Store a new batch, its jobs to run for `tenant` (the creating API key's)."""
         doc = {**doc, TENANT_FIELD: tenant}
         key = self.batch_key(doc["id"])
+        created = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(key, mapping={"doc": json.dumps(doc)})
-            pipe.zadd(f"{self.p}batches", {doc["id"]: time.time()})
+            pipe.zadd(f"{self.p}batches", {doc["id"]: created})
+            pipe.zadd(self._mine("batches", tenant), {doc["id"]: created})
             pipe.sadd(f"{self.p}batches:open", doc["id"])
             await pipe.execute()
 
-    async def batch(self, batch_id: str) -> dict[str, Any]:
+    async def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any]:
+        """The batch object; NotFound when it does not exist or `tenant` does not own it."""
         raw = await self.r.hget(self.batch_key(batch_id), "doc")
         if raw is None:
             raise NotFound(f"no batch {batch_id!r}")
-        doc: dict[str, Any] = json.loads(raw)
-        return doc
+        return _owned(json.loads(raw), tenant, "batch")
 
     async def save_batch(self, doc: dict[str, Any]) -> None:
         async with self.r.pipeline(transaction=True) as pipe:
@@ -158,9 +193,12 @@ class BatchStore:
                 pipe.srem(f"{self.p}batches:open", doc["id"])
             await pipe.execute()
 
-    async def batches(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
-        """Newest first; `after`: continue below that batch id (OpenAI's pagination)."""
-        key = f"{self.p}batches"
+    async def batches(
+        self, tenant: str, limit: int = 20, after: str | None = None
+    ) -> list[dict[str, Any]]:
+        """The tenant's batches, newest first; `after`: continue below that batch id
+        (OpenAI's pagination)."""
+        key = self._mine("batches", tenant)
         top = "+inf"
         if after is not None:
             score = await self.r.zscore(key, after)
@@ -171,7 +209,7 @@ class BatchStore:
         docs = []
         for raw_id in ids:
             try:
-                docs.append(await self.batch(raw_id.decode()))
+                docs.append(await self.batch(raw_id.decode(), tenant))
             except NotFound:
                 continue
         return docs

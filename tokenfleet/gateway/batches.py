@@ -2,7 +2,8 @@
 
 The routes only read and write the batch's state in Redis; the gateway's `BatchDriver`
 (any replica's) runs the batch, at batch priority, for the tenant of the API key that
-created it."""
+created it. Files and batches belong to that tenant: another tenant's key gets 404 for
+them and never sees them listed."""
 
 from __future__ import annotations
 
@@ -58,32 +59,34 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
                 code="missing_required_parameter",
             )
         content = await upload.read()
+        name = upload.filename or "upload.jsonl"
         try:
-            doc = await s.put_file(content, upload.filename or "upload.jsonl", str(purpose))
+            doc = await s.put_file(content, name, str(purpose), caller_of(request).tenant)
         except FileTooLarge as exc:
             raise ApiError(413, str(exc), param="file", code="file_too_large") from None
-        return JSONResponse(doc)
+        return JSONResponse(_public(doc))
 
     @api.get("/v1/files")
     async def list_files(request: Request) -> JSONResponse:
         s = store(request)
-        return JSONResponse({"object": "list", "data": await s.files(), "has_more": False})
+        docs = [_public(d) for d in await s.files(caller_of(request).tenant)]
+        return JSONResponse({"object": "list", "data": docs, "has_more": False})
 
     @api.get("/v1/files/{file_id}")
     async def get_file(file_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        return JSONResponse(await s.file(file_id))
+        return JSONResponse(_public(await s.file(file_id, caller_of(request).tenant)))
 
     @api.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str, request: Request) -> Response:
         s = store(request)
-        data = await s.content(file_id)
+        data = await s.content(file_id, caller_of(request).tenant)
         return Response(data, media_type="application/jsonl")
 
     @api.delete("/v1/files/{file_id}")
     async def delete_file(file_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        if not await s.delete_file(file_id):
+        if not await s.delete_file(file_id, caller_of(request).tenant):
             raise NotFound(f"no file {file_id!r}")
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
@@ -145,7 +148,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
                 param="input_file_id",
                 code="missing_required_parameter",
             )
-        source = await s.file(input_file_id)
+        source = await s.file(input_file_id, caller_of(request).tenant)
         if source["purpose"] != "batch":
             raise ApiError(
                 400,
@@ -182,7 +185,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     @api.get("/v1/batches/{batch_id}")
     async def get_batch(batch_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        return JSONResponse(_public(await s.batch(batch_id)))
+        return JSONResponse(_public(await s.batch(batch_id, caller_of(request).tenant)))
 
     @api.get("/v1/batches")
     async def list_batches(
@@ -190,7 +193,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     ) -> JSONResponse:
         s = store(request)
         limit = max(1, min(limit, 100))
-        docs = await s.batches(limit + 1, after)
+        docs = await s.batches(caller_of(request).tenant, limit + 1, after)
         page = [_public(d) for d in docs[:limit]]
         return JSONResponse(
             {
@@ -205,7 +208,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
     @api.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
         s = store(request)
-        doc = await s.batch(batch_id)
+        doc = await s.batch(batch_id, caller_of(request).tenant)
         if doc["status"] in TERMINAL:
             raise ApiError(
                 409, f"batch {batch_id!r} is {doc['status']} already", code="batch_not_cancellable"
@@ -219,7 +222,7 @@ def router(store_of: Any, dependencies: list[Any]) -> APIRouter:
 
 
 def _public(doc: dict[str, Any]) -> dict[str, Any]:
-    """The batch object without the driver's own fields."""
+    """The file or batch object without tokenfleet's own fields."""
     return {k: v for k, v in doc.items() if not k.startswith("tokenfleet_")}
 
 
