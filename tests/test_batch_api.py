@@ -89,6 +89,15 @@ def wait_status(
     return seen[-1]
 
 
+def wait_lines_done(client: openai.OpenAI, batch_id: str, at_least: int) -> None:
+    """Until at least `at_least` of the batch's lines completed."""
+    wait_for(
+        lambda: client.batches.retrieve(batch_id).request_counts.completed >= at_least,
+        60,
+        f"{at_least} line(s) of {batch_id} done",
+    )
+
+
 def start_batch(client: openai.OpenAI, data: bytes) -> Any:
     """Upload `data` as a batch input file and create a chat-completions batch of it."""
     upload = client.files.create(file=("in.jsonl", data), purpose="batch")
@@ -186,11 +195,7 @@ def test_cancel_stops_submitting_and_ends_cancelled(
         client = gateway.client()
         requests = [chat_line(f"c{i}", f"long answer {i}", 60) for i in range(40)]
         batch = start_batch(client, jsonl(requests))
-        wait_for(
-            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 1,
-            60,
-            "a first line done",
-        )
+        wait_lines_done(client, batch.id, 1)
         assert client.batches.cancel(batch.id).status == "cancelling"
         ended = wait_status(client, batch.id, {"cancelled"})
         out = lines_of(client, ended.output_file_id)
@@ -253,11 +258,7 @@ def test_a_gateway_killed_mid_batch_is_finished_by_another_each_line_once(
         client = _client(first_port)
         requests = [chat_line(f"k{i}", f"kill test {i}", 40) for i in range(16)]
         batch = start_batch(client, jsonl(requests))
-        wait_for(
-            lambda: client.batches.retrieve(batch.id).request_counts.completed >= 2,
-            60,
-            "two lines done",
-        )
+        wait_lines_done(client, batch.id, 2)
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         second = _gateway_process(redis_server.url, second_port, log)
@@ -291,9 +292,7 @@ def test_files_and_batches_belong_to_the_tenant_of_the_key_that_made_them(
     neither cancel the batch, delete the file nor start a batch from it."""
     gateway = driving(redis_server.url, api_keys=("k-acme=acme", "k-zeta=zeta"))
     try:
-        base = gateway.client().base_url
-        acme = openai.OpenAI(base_url=base, api_key="k-acme", max_retries=0)
-        zeta = openai.OpenAI(base_url=base, api_key="k-zeta", max_retries=0)
+        acme, zeta = gateway.client("k-acme"), gateway.client("k-zeta")
         batch = start_batch(acme, jsonl([chat_line("a0", "tenant test", 3)]))
         done = wait_status(acme, batch.id, {"completed", "failed"})
         assert done.status == "completed"
@@ -322,7 +321,8 @@ def test_files_and_batches_belong_to_the_tenant_of_the_key_that_made_them(
         assert not {f.id for f in zeta.files.list()} & mine
         # tokenfleet's own fields stay private
         raw = httpx.get(
-            f"{base}files/{batch.input_file_id}", headers={"Authorization": "Bearer k-acme"}
+            f"{gateway.url}/v1/files/{batch.input_file_id}",
+            headers={"Authorization": "Bearer k-acme"},
         ).json()
         assert not [k for k in raw if k.startswith("tokenfleet_")]
         assert acme.files.delete(batch.input_file_id).deleted

@@ -114,18 +114,26 @@ def test_every_lower_band_gets_its_share_and_a_band_that_empties_starts_over(
     for i in range(20):
         producer.submit(job(f"i{i}", "interactive"))
     q = queue(r, "a")
-    order = [d.job_id for d in q.read(22)]
+
+    def counts() -> dict[bytes, int]:
+        return {k: int(v) for k, v in r.hgetall(KEYS.pulls()).items()}
+
+    order = [d.job_id for d in q.read(10)]
+    # the counts persist between reads (and workers): both lower bands passed over 10 times
+    assert counts() == {b"interactive": 0, b"default": 10, b"batch": 10}
+    order += [d.job_id for d in q.read(12)]
     g = STARVATION_GUARD
     # both lower bands are due after 16 interactive pulls: the higher of them first, and
     # the batch band, passed over once more meanwhile, right after it
     assert order[: g + 2] == [f"i{i}" for i in range(g)] + ["d0", "b0"]
     assert order[g + 2 :] == [f"i{i}" for i in range(g, 20)]
     # the guard's counts are reset for bands that have nothing waiting
-    assert {k: int(v) for k, v in r.hgetall(KEYS.pulls()).items()} == {
-        b"interactive": 0,
-        b"default": 0,
-        b"batch": 0,
-    }
+    assert counts() == {b"interactive": 0, b"default": 0, b"batch": 0}
+    # a full worker's pull of the highest band alone, with nothing there: no write at all
+    r.delete(KEYS.pulls())
+    pipe = r.pipeline(transaction=False)
+    q.pull(0, pipe, extra=4)
+    assert pipe.execute() == [[]] and not r.exists(KEYS.pulls())
 
 
 def test_a_missing_group_on_a_band_is_recreated_and_the_pull_retried(r: redis.Redis) -> None:

@@ -49,8 +49,9 @@ for i = 1, n do
     local at_limit = most and flag == 0 and state[1] == 'queued'
       and not redis.call('ZSCORE', running, job)
       and redis.call('ZCARD', running) >= most
-    if at_limit then
-      local fields = redis.call('XRANGE', stream, entry, entry)[1][2]
+    local copy = at_limit and redis.call('XRANGE', stream, entry, entry)[1]
+    if copy then  -- (an entry whose data was deleted while pending just starts)
+      local fields = copy[2]
       ack_delete_entry(stream, entry)
       local again = redis.call('XADD', stream, '*', unpack(fields))
       redis.call('HSET', hash, 'entry', again)

@@ -45,6 +45,19 @@ local function waiting(s)
   return nm > lm or (nm == lm and ns > ls)
 end
 
+local extra = tonumber(ARGV[5 + n]) or 0
+if tonumber(ARGV[3]) <= 0 then
+  -- Only the highest band may be read (a full worker's preempting pull, every tick):
+  -- nothing waiting there is the common case, so answer it with one look and no write.
+  local top = extra > 0 and waiting(KEYS[1])
+  if type(top) == 'table' then
+    return top
+  end
+  if not top then
+    return {}
+  end
+end
+
 local open, passed = {}, {}
 local counts = redis.call('HMGET', KEYS[n + 1], unpack(ARGV, 5, 4 + n))
 for b = 1, n do
@@ -116,15 +129,19 @@ while left > 0 do
   end
   left = left - take(pick, want)
 end
-local extra = tonumber(ARGV[5 + n]) or 0
 if extra > 0 and open[1] then
   take(1, extra)
 end
 
-local flat = {}
+-- The guard's counts, written only when one changed (this runs every tick).
+local flat, changed = {}, false
 for b = 1, n do
+  local now = open[b] and passed[b] or 0  -- a band that emptied starts over
+  changed = changed or now ~= (tonumber(counts[b]) or 0)
   flat[#flat + 1] = ARGV[4 + b]
-  flat[#flat + 1] = open[b] and passed[b] or 0  -- a band that emptied starts over
+  flat[#flat + 1] = now
 end
-redis.call('HSET', KEYS[n + 1], unpack(flat))
+if changed then
+  redis.call('HSET', KEYS[n + 1], unpack(flat))
+end
 return out
