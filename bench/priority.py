@@ -4,8 +4,14 @@ interactive jobs at `interactive`) and without (everything in the `default` band
 same run, same worker.
 
 Usage: python bench/priority.py [--rounds 3] [--flood 120] [--model smollm2-135m-instruct]
+                                [--baseline TREE] [--variants bands,fifo]
                                 [--out bench/out/priority.json]
                                 [--plot docs/img/priority.png]
+
+`--baseline TREE` adds the variant `baseline`: the bands variant served by a worker
+imported from another checkout (e.g. `git worktree add /tmp/base c5ad02a`), on a prefix
+of its own, interleaved with the others round by round, to tell a change's effect from
+the machine's noise. Only one worker is busy at a time; the other idles on its own queue.
 
 One real `tokenfleet worker` (dtype auto, --threads 2, --max-active 16) through a
 redis-server this program starts on a free port. Each round submits the flood at once
@@ -41,12 +47,12 @@ from report import (
     wrote,
 )
 
-from tokenfleet.keys import Keys
 from tokenfleet.local import EmbeddedRedis, LocalWorkers
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest
 
 PREFIX = "bench-priority:"
+BASELINE_PREFIX = "bench-priority-base:"
 INTERACTIVE = 8
 TIMEOUT_S = 600.0
 
@@ -67,7 +73,8 @@ def flood(tag: str, n: int, priority: str, rng: random.Random) -> list[Generatio
 
 def preemptions(workers: LocalWorkers) -> int:
     """The worker's preempted_total once its heartbeat caught up (no job in flight)."""
-    return int(workers.settle()["priority-w"].get("preempted_total", 0))
+    (beat,) = workers.settle().values()
+    return int(beat.get("preempted_total", 0))
 
 
 def one_round(
@@ -80,6 +87,9 @@ def one_round(
     seed: int,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
+    variant = "bands" if bands else "fifo"
+    if producer.keys.prefix != PREFIX:
+        variant = "baseline"
     preempted_before = preemptions(workers)
     jobs = flood(tag, n, "batch" if bands else "default", rng)
     started = time.perf_counter()
@@ -116,7 +126,7 @@ def one_round(
     wall = time.perf_counter() - started
     return {
         "preempted": preemptions(workers) - preempted_before,
-        "variant": "bands" if bands else "fifo",
+        "variant": variant,
         "interactive_wait_s": waits,
         "interactive_ttft_s": ttfts,
         "wait_p50_s": pct(waits, 50),
@@ -135,6 +145,8 @@ def main() -> None:
     parser.add_argument("--flood", type=int, default=120)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    parser.add_argument("--variants", default="bands,fifo")
     parser.add_argument("--out", default="bench/out/priority.json")
     parser.add_argument("--plot", default="docs/img/priority.png")
     args = parser.parse_args()
@@ -144,20 +156,38 @@ def main() -> None:
     log_dir = Path(args.out).parent / "priority-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = ["--model", args.model, "--threads", str(args.threads), "--max-active", "16"]
-    workers = LocalWorkers(embedded.url, PREFIX, worker_args, log_dir=log_dir)
-    runs: dict[str, list[dict[str, Any]]] = {"bands": [], "fifo": []}
+    variants = [v for v in args.variants.split(",") if v]
+    fleets = {"": LocalWorkers(embedded.url, PREFIX, worker_args, log_dir=log_dir)}
+    if args.baseline is not None:
+        variants.append("baseline")
+        tree = str(args.baseline.resolve())
+        fleets["baseline"] = LocalWorkers(
+            embedded.url,
+            BASELINE_PREFIX,
+            worker_args,
+            log_dir=log_dir,
+            env={"PYTHONPATH": tree},
+            cwd=Path(tree),
+        )
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     try:
-        workers.start_one("priority-w")
-        workers.wait_live()
         client = redis.Redis.from_url(embedded.url)
-        producer = Producer(client, keys=Keys(PREFIX), default_cap=10_000)
-        producer.submit(prompt_ids=[1, 2, 3], max_new_tokens=4, job_id="warm").result(60)
+        producers = {}
+        for name, fleet in fleets.items():
+            fleet.start_one(f"priority-w{'-' + name if name else ''}")
+            fleet.wait_live()
+            producers[name] = Producer(client, keys=fleet.keys, default_cap=10_000)
+            warm = producers[name].submit(prompt_ids=[1, 2, 3], max_new_tokens=4, job_id="warm")
+            warm.result(60)
         for r in range(args.rounds):
-            order = (True, False) if r % 2 == 0 else (False, True)
-            for bands in order:
-                tag = f"r{r}-{'bands' if bands else 'fifo'}"
-                seed = 2 * r + int(bands)  # fresh prompts: none found in the prefix cache
-                got = one_round(producer, client, workers, tag, args.flood, bands, seed)
+            order = variants if r % 2 == 0 else variants[::-1]
+            for k, variant in enumerate(order):
+                tag = f"r{r}-{variant}"
+                seed = 3 * r + k  # fresh prompts: none found in the prefix cache
+                side = "baseline" if variant == "baseline" else ""
+                got = one_round(
+                    producers[side], client, fleets[side], tag, args.flood, variant != "fifo", seed
+                )
                 runs[got["variant"]].append(got)
                 print(
                     f"round {r} {got['variant']:5s} wait p50 {got['wait_p50_s'] * 1000:8.1f} ms "
@@ -168,7 +198,8 @@ def main() -> None:
                     flush=True,
                 )
     finally:
-        workers.drain()
+        for fleet in fleets.values():
+            fleet.drain()
         embedded.stop()
     summary = {
         v: {
@@ -204,6 +235,7 @@ def main() -> None:
         "model": args.model,
         "threads": args.threads,
         "flood": args.flood,
+        "baseline": None if args.baseline is None else str(args.baseline),
         "interactive": INTERACTIVE,
         "runs": runs,
         "summary": summary,
@@ -212,10 +244,18 @@ def main() -> None:
     out = write_report(Path(args.out), report, text)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for i, (variant, color) in enumerate((("bands", "#2a7"), ("fifo", "#999"))):
+    labels = {
+        "bands": "bands (interactive over batch)",
+        "fifo": "one FIFO band",
+        "baseline": "bands, baseline tree",
+    }
+    colors = {"bands": "#2a7", "fifo": "#999", "baseline": "#27a"}
+    for i, variant in enumerate(variants):
         waits = [w * 1000 for x in runs[variant] for w in x["interactive_wait_s"]]
-        ax.scatter([i + random.uniform(-0.15, 0.15) for _ in waits], waits, color=color, s=12)
-    ax.set_xticks([0, 1], ["bands (interactive over batch)", "one FIFO band"])
+        ax.scatter(
+            [i + random.uniform(-0.15, 0.15) for _ in waits], waits, color=colors[variant], s=12
+        )
+    ax.set_xticks(list(range(len(variants))), [labels[v] for v in variants])
     ax.set_yscale("log")
     ax.set_ylabel("interactive queue wait, ms (log)")
     ax.set_title(f"{INTERACTIVE} interactive jobs beside a {args.flood}-job batch flood")

@@ -1,12 +1,14 @@
 """OpenAI's Batch API on the gateway (issue 14, part 1), driven by the official `openai`
 client against a real redis-server and real worker processes: files.create,
-batches.create, polling, files.content; an unusable file fails the batch; cancel;
-backpressure from a small queue cap; and a gateway killed mid-batch (SIGKILL, a real
+batches.create, polling, files.content; an unusable file fails the batch; cancel and
+expiry, after which every line not finished is an error line (issue 21); backpressure
+from a small queue cap; and a gateway killed mid-batch (SIGKILL, a real
 `tokenfleet gateway` process) whose batch another gateway finishes, every line run once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -20,12 +22,23 @@ import httpx
 import openai
 import pytest
 import redis
+import redis.asyncio as aredis
 from gateway_support import GatewayEnv, ServedGateway, fleet_on
 from support import RedisServer, free_port, wait_for
 
+from tokenfleet.batch.format import (
+    BatchStop,
+    job_id_for,
+    parse_input,
+    result_line,
+    succeeded,
+)
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.gateway import GatewayConfig
 from tokenfleet.keys import Keys
 from tokenfleet.producer import Producer
+from tokenfleet.protocol import JobResult, Usage
+from tokenfleet.reasons import FinishReason
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = Keys()
@@ -184,25 +197,129 @@ def test_an_unusable_file_fails_the_batch_naming_its_lines(
         )
 
 
-def test_cancel_stops_submitting_and_ends_cancelled(
+def test_one_rule_says_which_file_a_finished_job_is_in() -> None:
+    """`result_line`, which the gateway's driver and `tokenfleet batch run` both use: a
+    job the model ended (stop, length) is a success; a cancelled job is an error line
+    with no response, coded by who stopped it, its partial text dropped."""
+    line = parse_input(jsonl([chat_line("x", "q", 8)]), "/v1/chat/completions")[0]
+
+    def ended(reason: FinishReason) -> JobResult:
+        usage = Usage(prompt_tokens=3, completion_tokens=5)
+        return JobResult(job_id="b-0", text="PARTIAL", finish_reason=reason, usage=usage)
+
+    for reason in (FinishReason.STOP, FinishReason.LENGTH):
+        for stopped in (None, BatchStop.CANCELLED):  # ended by itself before the cancel
+            entry, ok = result_line("b", line, ended(reason), stopped)
+            assert ok and succeeded(entry) and entry["response"]["status_code"] == 200
+    codes = {
+        (FinishReason.CANCELLED, BatchStop.CANCELLED): "batch_cancelled",
+        (FinishReason.CANCELLED, BatchStop.EXPIRED): "batch_expired",
+        (FinishReason.CANCELLED, None): "request_cancelled",  # the job itself was cancelled
+        (FinishReason.DEADLINE, None): "request_timeout",
+    }
+    for (reason, stopped), code in codes.items():
+        entry, ok = result_line("b", line, ended(reason), stopped)
+        assert not ok and not succeeded(entry)
+        assert entry["response"] is None and entry["error"]["code"] == code
+        assert "b-0" in entry["error"]["message"] and "5 generated" in entry["error"]["message"]
+        assert "PARTIAL" not in json.dumps(entry)
+
+
+def job_running(r: redis.Redis, job_id: str) -> bool:
+    return bool(r.hget(KEYS.job(job_id), "status") == b"running")
+
+
+def submitted_lines(r: redis.Redis, batch_id: str) -> set[int]:
+    """The line numbers of the batch that became jobs."""
+    return {int(key.rsplit(b"-", 1)[1]) for key in job_hashes(r, batch_id)}
+
+
+def test_a_cancelled_batch_reports_every_line_it_stopped_as_batch_cancelled(
     env: GatewayEnv, redis_server: RedisServer
 ) -> None:
-    """A gateway whose batches keep 2 jobs out: cancelled after its first results, the
-    batch ends `cancelled` with the lines that ran in its output and the rest never
-    submitted."""
-    gateway = driving(redis_server.url, batch_max_in_flight=2)
+    """A gateway whose batches keep 4 jobs out: 4 short lines end, then long ones run and
+    the batch is cancelled. It ends `cancelled` with the short lines, and only them, in
+    its output, counted completed; every long line, its job cut short or never
+    submitted, is in the error file coded `batch_cancelled` and counted failed."""
+    gateway = driving(redis_server.url, batch_max_in_flight=4)
     try:
         client = gateway.client()
-        requests = [chat_line(f"c{i}", f"long answer {i}", 60) for i in range(40)]
-        batch = start_batch(client, jsonl(requests))
-        wait_lines_done(client, batch.id, 1)
+        short = [chat_line(f"s{i}", f"short {i}", 3) for i in range(4)]
+        long = [chat_line(f"l{i}", f"long answer {i}", 1500) for i in range(20)]
+        batch = start_batch(client, jsonl(short + long))
+        wait_lines_done(client, batch.id, 4)
+        first_long = job_id_for(batch.id, 4)
+        wait_for(lambda: job_running(env.r, first_long), 60, "a long line to run")
         assert client.batches.cancel(batch.id).status == "cancelling"
         ended = wait_status(client, batch.id, {"cancelled"})
+        counts = ended.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (24, 4, 20)
+
         out = lines_of(client, ended.output_file_id)
-        submitted = len(job_hashes(env.r, batch.id))
-        assert 1 <= len(out) == submitted < len(requests)
+        assert [line["custom_id"] for line in out] == [f"s{i}" for i in range(4)]
+        for line in out:
+            choice = line["response"]["body"]["choices"][0]
+            assert (choice["finish_reason"], choice["fleet_finish_reason"]) == ("length", "length")
+
+        errors = lines_of(client, ended.error_file_id)
+        assert [e["custom_id"] for e in errors] == [f"l{i}" for i in range(20)]  # line order
+        assert {(e["response"] is None, e["error"]["code"]) for e in errors} == {
+            (True, "batch_cancelled")
+        }
+        # the long lines that became jobs were cut short (their message names the job);
+        # the rest were never submitted
+        ran = submitted_lines(env.r, batch.id) - set(range(4))
+        assert 1 <= len(ran) <= 4 and ran == set(range(4, 4 + len(ran)))  # in line order
+        for index, entry in enumerate(errors, start=4):
+            message = entry["error"]["message"]
+            if index in ran:
+                assert f"its job {job_id_for(batch.id, index)} was stopped after" in message
+            else:
+                assert message.endswith("before this request was submitted")
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(batch.id)
+    finally:
+        gateway.stop()
+
+
+def expire_now(url: str, batch_id: str) -> None:
+    """Move a batch that no driver holds past the end of its completion window."""
+
+    async def expire() -> None:
+        client = aredis.Redis.from_url(url)
+        try:
+            store = BatchStore(client, KEYS, max_file_bytes=1)
+            doc = await store.batch(batch_id)
+            doc["expires_at"] = doc["created_at"]
+            await store.save_batch(doc)
+        finally:
+            await client.aclose()
+
+    asyncio.run(expire())
+
+
+def test_an_expired_batch_reports_every_line_as_batch_expired(
+    env: GatewayEnv, redis_server: RedisServer
+) -> None:
+    """A batch already past its window when a driver takes it submits nothing and ends
+    `expired`, each line in the error file coded `batch_expired`, counted failed."""
+    batch = start_batch(
+        env.gateway.client(), jsonl([chat_line(f"e{i}", "late", 3) for i in range(3)])
+    )
+    expire_now(redis_server.url, batch.id)  # the module's gateway drives no batches
+    gateway = driving(redis_server.url)
+    try:
+        client = gateway.client()
+        ended = wait_status(client, batch.id, {"expired", "completed", "cancelled"})
+        assert ended.status == "expired" and ended.expired_at and ended.output_file_id is None
+        counts = ended.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (3, 0, 3)
+        errors = lines_of(client, ended.error_file_id)
+        assert [e["custom_id"] for e in errors] == ["e0", "e1", "e2"]
+        for entry in errors:
+            assert entry["response"] is None and entry["error"]["code"] == "batch_expired"
+            assert "expired" in entry["error"]["message"]
+        assert submitted_lines(env.r, batch.id) == set()
     finally:
         gateway.stop()
 

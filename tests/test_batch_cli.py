@@ -1,6 +1,7 @@
 """`tokenfleet batch run` from the shell (issue 14): a batch file straight through a
 producer to a real worker; Ctrl-C (a real SIGINT to the process) stops it, and the
-same command again finishes it with every line in the output exactly once."""
+same command again finishes it with every line in the output exactly once; a job
+cancelled in the fleet is an error line, not a success (issue 21)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,29 @@ import json
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 from fleet import Fleet
 from support import wait_for
 
+from tokenfleet.batch.format import batch_id_for_file, job_id_for
 from tokenfleet.keys import Keys
+from tokenfleet.producer import Producer
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_requests(path: Path, n: int, max_tokens: int) -> None:
+def write_requests(path: Path, max_tokens: Sequence[int]) -> None:
+    """Completion lines `r0`, `r1`, ... asking for `max_tokens[i]` tokens each, then
+    one line `bad` whose body the fleet refuses."""
     lines = []
-    for i in range(n):
+    for i, asked in enumerate(max_tokens):
         body = {
             "model": "default",
             "prompt": f"item {i}",
-            "max_tokens": max_tokens,
+            "max_tokens": asked,
             "temperature": 0,
             "ignore_eos": True,
         }
@@ -61,7 +67,7 @@ def test_batch_run_stops_on_ctrl_c_and_resumes_each_line_once(
     worker = fleet.start("batch-cli-w", burst=False)
     fleet.wait_alive(worker)
     source, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
-    write_requests(source, 12, 40)
+    write_requests(source, [40] * 12)
 
     first = batch_run(redis_url, source, out)
     wait_for(lambda: len(output_lines(out)) >= 2, 60, "two results written")
@@ -95,3 +101,30 @@ def test_batch_run_stops_on_ctrl_c_and_resumes_each_line_once(
     third = batch_run(redis_url, source, out)  # all done: nothing to do
     stdout, _ = third.communicate(timeout=60)
     assert b"12 done, 1 failed of 13" in stdout and output_lines(out) == lines
+
+
+def test_batch_run_writes_a_job_cancelled_in_the_fleet_as_an_error_line(
+    fleet: Fleet, r: redis.Redis, redis_url: str, tmp_path: Path
+) -> None:
+    """Line r0's job is cancelled while it is out: its line is an error coded
+    `request_cancelled` (no response, no partial text), counted failed, not done."""
+    worker = fleet.start("batch-cli-cancel-w", burst=False)
+    fleet.wait_alive(worker)
+    source, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
+    write_requests(source, [1500, 4, 4])
+    job = Producer(r).handle(job_id_for(batch_id_for_file(source.read_bytes()), 0))
+
+    run = batch_run(redis_url, source, out)
+    wait_for(job.cancel, 60, "r0's job to be cancelled while it runs")  # False until submitted
+    stdout, err = run.communicate(timeout=120)
+    assert run.returncode == 1, err.decode()
+    assert b"2 done, 2 failed of 4" in stdout
+    by_id = {str(line["custom_id"]): line for line in output_lines(out)}
+    assert sorted(by_id) == ["bad", "r0", "r1", "r2"]
+    cancelled = by_id["r0"]
+    assert cancelled["response"] is None
+    assert cancelled["error"]["code"] == "request_cancelled"  # type: ignore[index]
+    assert job.id in cancelled["error"]["message"]  # type: ignore[index]
+    for custom_id in ("r1", "r2"):
+        body = by_id[custom_id]["response"]["body"]  # type: ignore[index]
+        assert body["usage"]["completion_tokens"] == 4

@@ -417,7 +417,134 @@ def test_response_format_json_schema_and_guided_regex_through_the_openai_client(
         extra_body={"guided_regex": "(yes|no)-[0-9]{3}"},
     )
     assert re.fullmatch("(yes|no)-[0-9]{3}", regex.choices[0].text)
-    with pytest.raises(openai.BadRequestError, match="rejected_invalid"):
+    with pytest.raises(openai.BadRequestError, match="unclosed group") as refused:
         client.completions.create(
             model="default", prompt="x", max_tokens=5, extra_body={"guided_regex": "("}
         )
+    # refused by the gateway before submit, naming the parameter
+    assert (refused.value.code, refused.value.param) == ("invalid_value", "guided_regex")
+
+
+# ---- structured output the fleet cannot honour ------------------------------------------
+
+
+def schema_format(schema: dict[str, object]) -> dict[str, object]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def test_a_schema_no_output_can_satisfy_is_400_before_any_token(env: Env) -> None:
+    """The client's schema, not a server failure: refused at the gateway, naming
+    response_format and the problem, before a job exists (a schema whose every instance
+    nests another was a 500 postprocess_error after the job started; a $ref to itself a
+    200 with empty, non-JSON content; a schema too deep for the library a worker's
+    rejection naming a column in the library's own text)."""
+    from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH
+
+    deep: dict[str, object] = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2):  # two levels each: 125 in all
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    cases = [
+        (
+            {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]},
+            "no output the grammar library can finish",
+        ),
+        ({"$ref": "#"}, "allows no output at all"),
+        (
+            deep,
+            f"nests 125 levels deep (objects and arrays inside each other); structured "
+            f"output reads at most MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}",
+        ),
+    ]
+    url = f"{env.gateway.url}/v1/chat/completions"
+    with httpx.Client(timeout=30) as http:
+        for schema, words in cases:
+            for stream in (False, True):
+                body = {
+                    "model": "default",
+                    "messages": [{"role": "user", "content": "json please"}],
+                    "max_tokens": 50,
+                    "stream": stream,
+                    "response_format": schema_format(schema),
+                }
+                reply = http.post(url, json=body)
+                assert reply.status_code == 400, reply.text
+                assert "x-tokenfleet-job-id" not in reply.headers  # never submitted
+                error = reply.json()["error"]
+                assert error["type"] == "invalid_request_error"
+                assert (error["param"], error["code"]) == ("response_format", "invalid_value")
+                assert words in error["message"], error["message"]
+
+
+def test_a_body_nested_past_the_parser_limit_is_named_as_such(env: Env) -> None:
+    """Valid JSON nested deeper than the JSON parser reads is a 400 naming that limit
+    (it was `invalid_json`, "the body is not valid JSON"), however deep, and the gateway
+    answers the next request as before."""
+    from tokenfleet.gateway.errors import MAX_BODY_DEPTH
+
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(MAX_BODY_DEPTH):
+        schema = {"type": "object", "properties": {"a": schema}}
+    deep = {
+        "model": "default",
+        "prompt": "x",
+        "response_format": schema_format(schema),
+    }
+    url = f"{env.gateway.url}/v1/completions"
+    with httpx.Client(timeout=30) as http:
+        bodies = [json.dumps(deep).encode(), b'{"model": "default", "prompt": ' + b"[" * 1_000_000]
+        for content in bodies:
+            reply = http.post(url, content=content)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "body_too_deep", error
+            assert f"nests deeper than {MAX_BODY_DEPTH} levels" in error["message"]
+            assert "not valid JSON" not in error["message"]
+        assert http.get(f"{env.gateway.url}/health").json()["status"] == "ok"
+        fine = http.post(url, json={"model": "default", "prompt": "x", "max_tokens": 2})
+        assert fine.status_code == 200, fine.text
+
+
+def test_structured_output_that_ends_outside_its_grammar_is_never_stop(env: Env) -> None:
+    """A stop string inside the structure, and a schema the library gives up on mid-way
+    (a free string first, so nothing can tell up front), end as 400s with a named code —
+    non-streamed, and as the error event after the tokens when streamed — never as
+    finish_reason `stop` on text that is not the schema's (they were: a 200 `stop` with
+    `{"`, and a 500 postprocess_error)."""
+    loop = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "maxLength": 2}, "x": {"$ref": "#/$defs/l"}},
+        "required": ["a", "x"],
+        "$defs": {
+            "l": {"type": "object", "properties": {"y": {"$ref": "#/$defs/l"}}, "required": ["y"]}
+        },
+    }
+    picked = {"type": "object", "properties": {"pick": {"enum": ["a", "b"]}}, "required": ["pick"]}
+    cases = [
+        ({"response_format": schema_format(picked), "stop": ["pick"]}, "grammar_unsatisfied"),
+        ({"response_format": schema_format(loop), "seed": 3}, "grammar_failed"),
+    ]
+    url = f"{env.gateway.url}/v1/chat/completions"
+    with httpx.Client(timeout=60) as http:
+        for extra, code in cases:
+            body = {
+                "model": "default",
+                "messages": [{"role": "user", "content": "json please"}],
+                "max_tokens": 60,
+                "temperature": 1.0,
+                **extra,
+            }
+            plain = http.post(url, json=body)
+            assert plain.status_code == 400, plain.text
+            error = plain.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", code), error
+            assert "structured-output constraint" in error["message"]
+            with http.stream("POST", url, json={**body, "stream": True}) as reply:
+                lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+            assert reply.status_code == 200
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            assert chunks[-1]["error"]["code"] == code, chunks[-1]
+            content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+            assert content.startswith('{"'), content  # the tokens came, then the error
+            finishes = [c["choices"][0].get("finish_reason") for c in chunks[:-1]]
+            assert not any(finishes), finishes

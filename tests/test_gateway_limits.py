@@ -305,6 +305,46 @@ def test_oversized_bodies_are_413_before_being_read(env: Env) -> None:
     assert "tokenfleet_gateway_body_too_large_total 2.0" in counted
 
 
+def test_an_upload_over_the_file_limit_names_the_file_limit(env: Env) -> None:
+    """POST /v1/files has its own limit (the file limit, plus room for the form): its 413
+    names that and its value, not --max-body-bytes (which it named, whichever applied)."""
+    from tokenfleet.gateway.app import FORM_BYTES, upload_limit
+
+    files, body = 64 * 1024, 16 * 1024
+    config = GatewayConfig(redis_url=env.url, max_body_bytes=body, max_file_bytes=files)
+    gateway = ServedGateway(config)
+    try:
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            big = http.post(
+                "/v1/files",
+                files={"file": ("big.jsonl", b"x" * (3 * files))},
+                data={"purpose": "batch"},
+            )
+            # over the body limit, under the upload's: stored
+            fits = http.post(
+                "/v1/files",
+                files={"file": ("ok.jsonl", b"{}\n" * (body // 2))},
+                data={"purpose": "batch"},
+            )
+    finally:
+        gateway.stop()
+    assert big.status_code == 413, big.text
+    error = big.json()["error"]
+    assert (error["code"], error["param"]) == ("file_too_large", "file")
+    message = error["message"]
+    assert f"the limit is {files + FORM_BYTES:,} bytes" in message, message
+    assert f"a file of at most {files:,} bytes, TOKENFLEET_GATEWAY_MAX_FILE_BYTES" in message
+    assert "--max-body-bytes" not in message
+    assert fits.status_code == 200, fits.text
+    # where the body limit is the bigger one, that is the limit the upload gets, and names
+    roomy = upload_limit(GatewayConfig(max_body_bytes=files * 4, max_file_bytes=files))
+    assert (roomy.max_bytes, roomy.source, roomy.code) == (
+        files * 4,
+        "--max-body-bytes",
+        "body_too_large",
+    )
+
+
 # ---- (f) a Redis restart under a live stream ----------------------------------------
 
 

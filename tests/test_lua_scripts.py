@@ -12,5 +12,5 @@ def test_every_lua_file_is_declared_and_every_declaration_has_its_file() -> None
     files = {p.stem for p in folder.glob("*.lua")}
     # owned_entry.lua holds shared functions, prepended to the scripts that act on an entry.
     assert files - {"owned_entry"} == set(lua.SCRIPTS)
-    for name in ("accept", "tick", "dead_letter", "redeliver"):
+    for name in ("accept", "tick", "dead_letter", "redeliver", "requeue"):
         assert lua.SCRIPTS[name].startswith((folder / "owned_entry.lua").read_text())

@@ -294,9 +294,13 @@ def test_status_shows_each_band_of_each_model_and_the_tenants(
         assert done.returncode == 0, done.stderr
 
     status = status_json(redis_url)
-    assert status["tenant_defaults"] == {"queued_share": None, "max_running": 2}
+    assert status["tenant_defaults"] == {
+        "queued_share": None,
+        "max_running": 2,
+        "cache_group": None,
+    }
     acme = status["tenants"]["acme"]
-    assert acme["effective"] == {"queued_share": 0.1, "max_running": 2}
+    assert acme["effective"] == {"queued_share": 0.1, "max_running": 2, "cache_group": None}
     assert acme["models"]["other"] == {"queued": 2, "running": 0, "queued_limit": 5}
     assert acme["models"]["default"] == {"queued": 0, "running": 1, "queued_limit": 100}
     assert status["tenants"]["default"]["models"]["default"]["queued"] == 0
@@ -305,10 +309,10 @@ def test_status_shows_each_band_of_each_model_and_the_tenants(
     assert table.returncode == 0, table.stderr
     assert "tenants (2)   defaults (*): queued share -, max running 2" in table.stdout
     assert tables(table.stdout)["tenants"] == [
-        # tenant, model, queued, running, queued limit, queued share, max running
-        ["acme", "default", "0", "1", "100", "0.1", "2 (*)"],
-        ["acme", "other", "2", "0", "5", "0.1", "2 (*)"],
-        ["default", "-", "0", "0", "-", "-", "2 (*)"],  # no jobs anywhere: one row
+        # tenant, model, queued, running, queued limit, queued share, max running, cache group
+        ["acme", "default", "0", "1", "100", "0.1", "2 (*)", "-"],
+        ["acme", "other", "2", "0", "5", "0.1", "2 (*)", "-"],
+        ["default", "-", "0", "0", "-", "-", "2 (*)", "-"],  # no jobs anywhere: one row
     ]
 
 

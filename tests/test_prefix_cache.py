@@ -200,7 +200,10 @@ def test_different_salts_never_share_and_the_same_salt_does(tiny: LoadedModel) -
     # hits: the second job of each salt only (2 full blocks each); "none" finds nothing
     assert eng.blocks.stats.hits_blocks == 2 * 2
     # and the addresses differ per salt, so no lookup could cross
-    a, b, none = (chain_hashes(SYSTEM, BLOCK, root_hash("m", salt)) for salt in ("a", "b", None))
+    a, b, none = (
+        chain_hashes(SYSTEM, BLOCK, root_hash("m", "tenant:default", salt))
+        for salt in ("a", "b", None)
+    )
     assert not set(a) & set(b) and not set(a) & set(none)
     assert_pool_whole(eng)
 
@@ -284,7 +287,7 @@ def test_random_interleavings_keep_refcounts_and_bytes(
     cached + empty = the pool. A session never allocates outside what it reserved."""
     size = 4
     blocks = BlockManager(num_blocks, size, prefix_cache=True)
-    root = root_hash("model", salt)
+    root = root_hash("model", "tenant:default", salt)
     live: dict[str, tuple[list[int], int, int]] = {}  # sid -> (tokens so far, computed, reserved)
     serial = 0
     for op, tokens, new in ops:
@@ -342,7 +345,7 @@ def test_random_interleavings_keep_refcounts_and_bytes(
 def test_cached_blocks_are_reclaimed_tail_first_and_never_from_a_session() -> None:
     size = 2
     blocks = BlockManager(6, size, prefix_cache=True)
-    root = root_hash("m")
+    root = root_hash("m", "tenant:default")
     a = [1, 2, 3, 4, 5, 6, 7]
     ha = chain_hashes(a[:-1], size, root)  # 3 full blocks before the last token
     assert blocks.reserve("a", 8, ha) == 0

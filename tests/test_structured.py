@@ -18,7 +18,7 @@ import jsonschema
 import pytest
 
 from tokenfleet.model import LoadedModel, load_model
-from tokenfleet.protocol import GenerationRequest, SamplingParams, Structured
+from tokenfleet.protocol import ErrorInfo, GenerationRequest, SamplingParams, Structured
 from tokenfleet.reasons import AdmissionReason, FinishReason
 from tokenfleet.worker.engine import Engine, EngineConfig, Finished
 
@@ -178,3 +178,161 @@ def test_jobs_without_a_grammar_are_untouched_by_structured_neighbours(tiny: Loa
     mixed = run(engine(tiny), [x for pair in zip(plain, structured, strict=True) for x in pair])
     for job in plain:
         assert mixed[job.job_id].result.token_ids == alone[job.job_id].result.token_ids
+
+
+# ---- grammars the fleet can never honour, and outputs that end outside the grammar ----
+
+SELF_NESTED = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize(
+    ("kind", "value", "words"),
+    [
+        # every instance must contain another: the library gives up at its item limit
+        ("json_schema", json.dumps(SELF_NESTED), "no output the grammar library can finish"),
+        (
+            "json_schema",
+            json.dumps({"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+            "Too many items",
+        ),
+        # a $ref to itself: no document at all (this ran as `stop` with empty text)
+        ("json_schema", json.dumps({"$ref": "#"}), "allows no output at all"),
+        ("lark", 'start: "{" start "}"', "no output the grammar library can finish"),
+    ],
+)
+def test_a_grammar_with_no_finite_output_is_refused_before_any_token(
+    tiny: LoadedModel, kind: str, value: str, words: str
+) -> None:
+    job = GenerationRequest(
+        job_id="never",
+        prompt="x",
+        max_new_tokens=50,
+        structured=Structured.model_validate({"kind": kind, "value": value}),
+    )
+    result = run(engine(tiny), [job])["never"].result
+    assert result.finish_reason is FinishReason.REJECTED, result
+    assert result.error is not None and result.error.reason == "rejected_invalid"
+    assert words in result.error.message, result.error.message
+    assert result.usage.completion_tokens == 0 and result.text == ""
+
+
+def _nested_const(depth: int) -> dict[str, object]:
+    """A schema nesting exactly `depth` objects and arrays: {"const": [[...]]}."""
+    value: list[object] = []
+    for _ in range(depth - 2):
+        value = [value]
+    return {"const": value}
+
+
+def test_schema_nesting_is_refused_naming_the_limit(tiny: LoadedModel) -> None:
+    from llguidance import LLMatcher
+
+    from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH
+
+    # the library itself reads MAX_SCHEMA_DEPTH levels and not one more (the limit is
+    # llguidance's; the check names it before the library's column in its own text)
+    for depth, ok in ((MAX_SCHEMA_DEPTH, True), (MAX_SCHEMA_DEPTH + 1, False)):
+        text = LLMatcher.grammar_from_json_schema(_nested_const(depth))
+        assert (LLMatcher.validate_grammar(text) == "") is ok, depth
+    too_deep = json.dumps(_nested_const(MAX_SCHEMA_DEPTH + 1))
+    jobs = [
+        GenerationRequest(
+            job_id="deep", prompt="x", structured=Structured(kind="json_schema", value=too_deep)
+        ),
+        # thousands of levels: Python's own JSON parser runs out of recursion (this
+        # raised RecursionError out of Engine.submit, past the job's refusal)
+        GenerationRequest(
+            job_id="deeper",
+            prompt="x",
+            structured=Structured(kind="json_schema", value="[" * 60000),
+        ),
+        GenerationRequest(
+            job_id="fits",
+            prompt="x",
+            max_new_tokens=300,
+            structured=Structured(
+                kind="json_schema", value=json.dumps(_nested_const(MAX_SCHEMA_DEPTH))
+            ),
+        ),
+    ]
+    done = run(engine(tiny), jobs)
+    for job_id in ("deep", "deeper"):
+        result = done[job_id].result
+        assert result.finish_reason is FinishReason.REJECTED
+        assert result.error is not None and result.error.reason == "rejected_invalid"
+        assert f"MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH}" in result.error.message, result.error
+    assert "nests 125 levels deep" in (done["deep"].result.error or ErrorInfo).message
+    fits = done["fits"].result
+    assert fits.finish_reason is FinishReason.STOP, fits
+    assert json.loads(fits.text) == _nested_const(MAX_SCHEMA_DEPTH)["const"]
+
+
+def test_an_output_cut_inside_the_structure_never_ends_as_stop(tiny: LoadedModel) -> None:
+    """A stop string or a stop token id inside the structure ends the job `rejected`,
+    `grammar_unsatisfied` (this was `stop`, with text that is not JSON)."""
+    jobs = [
+        # the schema's output opens with {"color":" — the stop string cuts it at once
+        GenerationRequest(job_id="string", prompt="x", stop=["color"], structured=AS_SCHEMA),
+        GenerationRequest(
+            job_id="token", prompt="x", stop_token_ids=[ord('"')], structured=AS_SCHEMA
+        ),
+    ]
+    done = run(engine(tiny), jobs)
+    quote = ord('"')
+    for job_id, why in (("string", "a stop string"), ("token", f"stop token {quote}")):
+        result = done[job_id].result
+        assert result.finish_reason is FinishReason.REJECTED, result
+        assert result.error is not None and result.error.reason == "grammar_unsatisfied"
+        assert f"ended at {why} before it satisfied the job's JSON schema" in result.error.message
+        assert result.text in ('{"', "{")
+        with pytest.raises(ValueError):
+            json.loads(result.text)
+
+
+def test_a_stop_string_after_a_complete_output_still_ends_as_stop(tiny: LoadedModel) -> None:
+    """The cut text itself is checked (the matcher has read the stop string too): an
+    output the grammar accepts without the stop string's text is a `stop`."""
+    from tokenfleet.worker.grammar import GrammarEnd, unmet
+
+    spec = Structured(kind="regex", value="ab(;cd)?")
+    matcher = engine(tiny).grammars.matcher(spec)
+    assert all(matcher.consume_token(b) for b in b"ab;")
+    assert unmet(matcher, spec, "a stop string", "ab") is None  # "ab" matches alone
+    cut = unmet(matcher, spec, "a stop string", "a")
+    assert cut is not None and cut.reason == GrammarEnd.UNSATISFIED
+    assert unmet(matcher, spec, "a stop token", None) is not None  # "ab;" does not match
+
+
+def test_the_library_giving_up_mid_generation_is_a_named_refusal(tiny: LoadedModel) -> None:
+    """A schema the probe cannot refuse up front (a free string comes first), whose every
+    instance then nests without end: the library gives up mid-way. That ends the job
+    `rejected`, `grammar_failed`, with the library's word (this was `error`,
+    postprocess_error: a 500, and redelivered as an engine failure)."""
+    loop = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 2},
+            "x": {"$ref": "#/$defs/loop"},
+        },
+        "required": ["a", "x"],
+        "$defs": {
+            "loop": {
+                "type": "object",
+                "properties": {"y": {"$ref": "#/$defs/loop"}},
+                "required": ["y"],
+            }
+        },
+    }
+    job = GenerationRequest(
+        job_id="loop",
+        prompt="x",
+        max_new_tokens=100,
+        sampling=SamplingParams(temperature=1.0, seed=3),
+        structured=Structured(kind="json_schema", value=json.dumps(loop)),
+    )
+    result = run(engine(tiny), [job])["loop"].result
+    assert result.finish_reason is FinishReason.REJECTED, result
+    assert result.error is not None and result.error.reason == "grammar_failed"
+    assert "Too many items" in result.error.message
+    assert result.usage.completion_tokens >= len('{"a":"')
+    assert result.text.startswith('{"a":"')

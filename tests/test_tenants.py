@@ -202,16 +202,20 @@ def test_tenants_set_and_list_from_the_command_line(r: redis.Redis, redis_url: s
     listed = run_cli("tenants", "--json", *url)
     assert listed.returncode == 0, listed.stderr
     snapshot = json.loads(listed.stdout)
-    assert snapshot["tenant_defaults"] == {"queued_share": None, "max_running": 3}
+    assert snapshot["tenant_defaults"] == {
+        "queued_share": None,
+        "max_running": 3,
+        "cache_group": None,
+    }
     acme, beta = snapshot["tenants"]["acme"], snapshot["tenants"]["beta"]
-    assert acme["limits"] == {"queued_share": 0.5, "max_running": 1}
-    assert acme["effective"] == {"queued_share": 0.5, "max_running": 1}
+    assert acme["limits"] == {"queued_share": 0.5, "max_running": 1, "cache_group": None}
+    assert acme["effective"] == {"queued_share": 0.5, "max_running": 1, "cache_group": None}
     assert acme["models"] == {
         "default": {"queued": 2, "running": 1, "queued_limit": 5},  # 0.5 x cap 10
         "other": {"queued": 0, "running": 0, "queued_limit": 500},  # 0.5 x 1000
     }
-    assert beta["limits"] == {"queued_share": None, "max_running": None}
-    assert beta["effective"] == {"queued_share": None, "max_running": 3}
+    assert beta["limits"] == {"queued_share": None, "max_running": None, "cache_group": None}
+    assert beta["effective"] == {"queued_share": None, "max_running": 3, "cache_group": None}
     assert beta["models"]["other"] == {"queued": 0, "running": 1, "queued_limit": None}
 
     table = run_cli("tenants", *url)
@@ -253,7 +257,7 @@ def test_tenants_lists_nothing_on_a_fresh_fleet(redis_url: str) -> None:
     assert done.returncode == 0, done.stderr
     assert "no tenant has submitted a job or been given limits yet" in done.stdout
     assert json.loads(run_cli("tenants", "--json", "--redis-url", redis_url).stdout) == {
-        "tenant_defaults": {"queued_share": None, "max_running": None},
+        "tenant_defaults": {"queued_share": None, "max_running": None, "cache_group": None},
         "tenants": {},
     }
 

@@ -16,7 +16,9 @@ class FinishReason(StrEnum):
     LENGTH = "length"  # max_new_tokens reached
     CANCELLED = "cancelled"  # the client cancelled it
     DEADLINE = "deadline"  # its deadline passed before it finished
-    REJECTED = "rejected"  # refused before any generation (admission or invalid input)
+    # refused before any generation (admission or invalid input), or a structured job
+    # whose output cannot satisfy its grammar (error.reason grammar_unsatisfied / _failed)
+    REJECTED = "rejected"
     ERROR = "error"  # the engine failed while serving it
 
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from tokenfleet.fleet import band_stats, live_workers, text
 from tokenfleet.keys import BANDS, DEFAULT_BAND, DEFAULT_MODEL, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.tenants import (
+    CACHE_GROUP,
     DEFAULTS,
     MAX_RUNNING,
     QUEUED_SHARE,
@@ -202,15 +203,19 @@ def _limit(tenant: Mapping[str, Any], field: str) -> str:
     value = tenant["effective"][field]
     if value is None:
         return "-"
-    return f"{value:g}" + (" (*)" if tenant["limits"][field] is None else "")
+    shown = value if isinstance(value, str) else f"{value:g}"
+    return shown + (" (*)" if tenant["limits"][field] is None else "")
 
 
 def _defaults_line(defaults: Mapping[str, Any]) -> str:
     share, most = defaults.get(QUEUED_SHARE), defaults.get(MAX_RUNNING)
-    if share is None and most is None:
+    group = defaults.get(CACHE_GROUP)
+    if share is None and most is None and group is None:
         return "none"
     parts = [f"queued share {share:g}" if share is not None else "queued share -"]
     parts.append(f"max running {most}" if most is not None else "max running -")
+    if group is not None:
+        parts.append(f"cache group {group}")
     return ", ".join(parts)
 
 
@@ -221,7 +226,7 @@ def render_tenants(snapshot: Mapping[str, Any]) -> Table:
     tenants: Mapping[str, Any] = snapshot.get("tenants") or {}
     table = Table(title=f"tenants ({len(tenants)})   defaults ({DEFAULTS}): {defaults}")
     columns = ("tenant", "model", "queued", "running", "queued limit", "queued share")
-    for column in (*columns, "max running"):
+    for column in (*columns, "max running", "cache group"):
         table.add_column(column, justify="left" if column in ("tenant", "model") else "right")
     for name, tenant in sorted(tenants.items()):
         models: Mapping[str, Any] = tenant["models"]
@@ -237,5 +242,6 @@ def render_tenants(snapshot: Mapping[str, Any]) -> Table:
                 "-" if limit is None else str(limit),
                 _limit(tenant, QUEUED_SHARE),
                 _limit(tenant, MAX_RUNNING),
+                _limit(tenant, CACHE_GROUP) if CACHE_GROUP in tenant["effective"] else "-",
             )
     return table

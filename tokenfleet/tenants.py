@@ -12,6 +12,15 @@ being the model's (each band's) queue cap; accept.lua puts a job back at the tai
 band when its tenant already runs `max_running` jobs of the model fleet-wide. Each field
 falls back to the `*` hash on its own, and a value that is not a number counts as unset,
 as the scripts read them.
+
+The same hash holds one setting that is not a limit: `cache_group`. Cached prompt blocks
+(prefix caching) are shared only between jobs of one *cache scope*, by default the
+tenant's own: a cache hit is visible (faster first token, `cached_tokens` in usage), so a
+tenant that could hit another's blocks could test whether any prompt it guesses was sent
+recently. Tenants an operator gives the same `cache_group` share their cached blocks (for
+tenants that are one organisation); a group in the `*` hash puts every tenant without its
+own in it. accept.lua hands the worker the group with each job it starts (the scope's rule:
+kv/prefix.py `cache_scope`).
 """
 
 from __future__ import annotations
@@ -28,25 +37,29 @@ from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT, Keys, valid_tenant
 
 QUEUED_SHARE = "queued_share"
 MAX_RUNNING = "max_running"
+CACHE_GROUP = "cache_group"
+FIELDS = (QUEUED_SHARE, MAX_RUNNING, CACHE_GROUP)  # of a limits hash, in `_parse` order
 DEFAULTS = "*"  # the name that stands for the default limits (`tokenfleet tenants set '*'`)
 
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """A tenant's limits; None = no limit from this source."""
+    """A tenant's limits and its cache group; None = nothing from this source."""
 
     queued_share: float | None = None  # in (0, 1]: its share of each model's queue cap
     max_running: int | None = None  # ≥ 1: its sessions of a model running fleet-wide
+    cache_group: str | None = None  # tenants of one group share cached prompt blocks
 
     @property
     def empty(self) -> bool:
-        return self.queued_share is None and self.max_running is None
+        return self.queued_share is None and self.max_running is None and not self.cache_group
 
     def over(self, fallback: TenantLimits) -> TenantLimits:
         """These limits, each unset field taken from `fallback` (a tenant's own over `*`)."""
         return TenantLimits(
             queued_share=fallback.queued_share if self.queued_share is None else self.queued_share,
             max_running=fallback.max_running if self.max_running is None else self.max_running,
+            cache_group=self.cache_group or fallback.cache_group,
         )
 
     def queued_limit(self, cap: int) -> int | None:
@@ -56,8 +69,12 @@ class TenantLimits:
             return None
         return max(1, math.floor(self.queued_share * cap))
 
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {QUEUED_SHARE: self.queued_share, MAX_RUNNING: self.max_running}
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        return {
+            QUEUED_SHARE: self.queued_share,
+            MAX_RUNNING: self.max_running,
+            CACHE_GROUP: self.cache_group,
+        }
 
 
 @dataclass(frozen=True)
@@ -68,8 +85,15 @@ class TenantUsage:
     running: int = 0
 
 
-def validate_limits(queued_share: float | None, max_running: int | None) -> None:
+def validate_limits(
+    queued_share: float | None, max_running: int | None, cache_group: str | None = None
+) -> None:
     """Raise ValueError naming the field unless each given limit is in its range."""
+    if cache_group is not None and not valid_tenant(cache_group):
+        raise ValueError(
+            f"cache_group must be a name like a tenant's (letters, digits, '.', '_', '-'), "
+            f"got {cache_group!r}"
+        )
     if queued_share is not None and not (
         isinstance(queued_share, int | float)
         and not isinstance(queued_share, bool)
@@ -97,11 +121,13 @@ def _number(raw: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _parse(share: Any, running: Any) -> TenantLimits:
-    """Limits from the raw HMGET values of `queued_share` and `max_running`. A
-    fractional `max_running` is rounded up: the script waits while running ≥ it."""
+def _parse(share: Any, running: Any, group: Any = None) -> TenantLimits:
+    """Limits from the raw HMGET values of `FIELDS`. A fractional `max_running` is
+    rounded up: the script waits while running ≥ it. An empty group is no group."""
     most = _number(running)
-    return TenantLimits(_number(share), None if most is None else math.ceil(most))
+    return TenantLimits(
+        _number(share), None if most is None else math.ceil(most), text(group) if group else None
+    )
 
 
 def set_limits(
@@ -111,6 +137,7 @@ def set_limits(
     *,
     queued_share: float | None = None,
     max_running: int | None = None,
+    cache_group: str | None = None,
     clear: bool = False,
 ) -> TenantLimits:
     """Set a tenant's limits (None: the `*` default limits); fields not given are left as
@@ -119,15 +146,17 @@ def set_limits(
     the writes are one round trip, not one transaction. A named tenant joins the set of
     tenants, so `tokenfleet tenants` lists it before its first job. Returns the
     tenant's own limits as Redis now holds them."""
-    validate_limits(queued_share, max_running)
-    if not clear and queued_share is None and max_running is None:
-        raise ValueError("nothing to set: give queued_share, max_running or clear")
+    validate_limits(queued_share, max_running, cache_group)
+    if not clear and queued_share is None and max_running is None and cache_group is None:
+        raise ValueError("nothing to set: give queued_share, max_running, cache_group or clear")
     key = keys.tenant_limits(tenant)  # raises ValueError for an invalid name
     fields: dict[str, str] = {}
     if queued_share is not None:
         fields[QUEUED_SHARE] = repr(float(queued_share))
     if max_running is not None:
         fields[MAX_RUNNING] = str(max_running)
+    if cache_group is not None:
+        fields[CACHE_GROUP] = cache_group
     pipe = client.pipeline(transaction=False)
     if clear:
         pipe.delete(key)
@@ -135,17 +164,16 @@ def set_limits(
         pipe.hset(key, mapping=fields)
     if tenant is not None:
         pipe.sadd(keys.tenants(), tenant)
-    pipe.hmget(key, QUEUED_SHARE, MAX_RUNNING)
-    share, running = pipe.execute()[-1]
-    return _parse(share, running)
+    pipe.hmget(key, *FIELDS)
+    return _parse(*pipe.execute()[-1])
 
 
 def get_limits(client: redis.Redis, keys: Keys, tenant: str | None) -> TenantLimits:
     """The limits the scripts apply to `tenant`: its own hash, each field falling back to
     the `*` hash (None: the `*` limits alone)."""
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.tenant_limits(tenant), QUEUED_SHARE, MAX_RUNNING)
-    pipe.hmget(keys.tenant_limits(None), QUEUED_SHARE, MAX_RUNNING)
+    pipe.hmget(keys.tenant_limits(tenant), *FIELDS)
+    pipe.hmget(keys.tenant_limits(None), *FIELDS)
     own, defaults = pipe.execute()
     return _parse(*own).over(_parse(*defaults))
 
@@ -239,9 +267,9 @@ def read_tenants(client: redis.Redis, keys: Keys, models: Iterable[str]) -> Tena
     limits: SMEMBERS, then one pipelined round trip (HMGETs and ZCARDs)."""
     names, wanted = tenant_names(client, keys), list(models)
     pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.tenant_limits(None), QUEUED_SHARE, MAX_RUNNING)
+    pipe.hmget(keys.tenant_limits(None), *FIELDS)
     for name in names:
-        pipe.hmget(keys.tenant_limits(name), QUEUED_SHARE, MAX_RUNNING)
+        pipe.hmget(keys.tenant_limits(name), *FIELDS)
     pipeline_usage(pipe, keys, names, wanted)
     replies = pipe.execute()
     defaults = _parse(*replies[0])

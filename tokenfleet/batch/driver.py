@@ -14,8 +14,15 @@ repeat after a crash:
                  tenant at its limit means wait, never fail); read the results of jobs out
                  (one MGET), write each line's output as it ends; all done -> finalizing
     finalizing   write the output and error files in line order -> completed
-    cancelling   cancel the jobs out, wait for their ends -> cancelled (partial files)
-    expiry       past `expires_at` the batch is cancelled the same way -> expired
+    cancelling   cancel the jobs out, wait for their ends; every line that did not
+                 finish (its job cut short, or never submitted) is an error line coded
+                 `batch_cancelled` -> cancelled (the files hold every line)
+    expiry       past `expires_at` the batch is cancelled the same way, the lines coded
+                 `batch_expired` -> expired
+
+A line's job that ended `stop` or `length` before the cancel took effect is a success
+like any other (`format.result_line` holds the rule). A finished batch's
+`request_counts` are counted from its lines' results, so `total == completed + failed`.
 
 A line's job id is the batch id and the line number, so a line submitted again after a
 restart is the fleet's duplicate (refused by the submit script, never run twice).
@@ -36,6 +43,7 @@ from tokenfleet.batch.format import (
     SUBMIT_REFUSALS,
     BatchInputError,
     BatchLine,
+    BatchStop,
     error_line,
     job_id_for,
     parse_input,
@@ -43,6 +51,7 @@ from tokenfleet.batch.format import (
     result_line,
     succeeded,
     to_request,
+    unrun_line,
 )
 from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id, tenant_of
 from tokenfleet.errors import QueueFull
@@ -66,6 +75,11 @@ class DriverConfig:
 
 def now() -> int:
     return int(time.time())
+
+
+def _stop_of(doc: dict[str, Any]) -> BatchStop:
+    """Why a cancelling batch stops: its expiry, or a cancel request."""
+    return BatchStop.EXPIRED if doc.get("tokenfleet_expiring") else BatchStop.CANCELLED
 
 
 class BatchDriver:
@@ -190,10 +204,18 @@ class Run:
         for index in self.out - self.cancelled:  # each job out is cancelled once
             await self.producer.handle(job_id_for(self.id, index)).cancel()
         self.cancelled |= self.out
-        await self._collect(doc)
+        stop = _stop_of(doc)
+        await self._collect(doc, stop)
         if self.out:
             return doc
-        return await self._finish(doc, "expired" if doc.get("tokenfleet_expiring") else "cancelled")
+        unrun = {
+            line.index: unrun_line(self.id, line, stop)
+            for line in self.lines
+            if line.index not in self.done
+        }
+        await self.store.put_results(self.id, unrun)
+        self.done |= unrun.keys()
+        return await self._finish(doc, "expired" if stop is BatchStop.EXPIRED else "cancelled")
 
     async def _finalizing(self, doc: dict[str, Any]) -> dict[str, Any]:
         return await self._finish(doc, "completed")
@@ -218,7 +240,9 @@ class Run:
             self.fleet_at = time.monotonic()
         return self.fleet
 
-    async def _collect(self, doc: dict[str, Any]) -> None:
+    async def _collect(self, doc: dict[str, Any], stopped: BatchStop | None = None) -> None:
+        """Write the lines whose jobs ended (`stopped`: the batch's cancel or expiry
+        stopped the jobs out)."""
         if not self.out:
             return
         pending = sorted(self.out)
@@ -229,7 +253,7 @@ class Run:
         for index, raw in zip(pending, raws, strict=True):
             if raw is None:
                 continue
-            line, ok = result_line(self.id, self.lines[index], decode_result(raw))
+            line, ok = result_line(self.id, self.lines[index], decode_result(raw), stopped)
             ended[index] = line
             counts["completed" if ok else "failed"] += 1
         await self.store.put_results(self.id, ended)
@@ -289,6 +313,9 @@ class Run:
         ordered = [results[i] for i in sorted(results)]
         good = [entry for entry in ordered if succeeded(entry)]
         bad = [entry for entry in ordered if not succeeded(entry)]
+        counts = doc["request_counts"]
+        assert len(ordered) == counts["total"], (self.id, len(ordered), counts)
+        counts["completed"], counts["failed"] = len(good), len(bad)  # the lines' own word
         if good:
             doc["output_file_id"] = (await self._file(good, "output", doc))["id"]
         if bad:

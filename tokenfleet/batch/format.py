@@ -7,6 +7,18 @@ the whole batch at validation, as OpenAI's does; a line whose *body* is not a va
 request is one failed request, reported in the error file. Output lines are
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`.
 
+Which file a line lands in (one rule, `result_line`, for the gateway's batches and
+`tokenfleet batch run`): a job that ended `stop` or `length`, the model's own ending, is
+a success (the output file, counted `completed`). Anything else is an error line
+(the error file, counted `failed`): a job the fleet refused or failed (its HTTP error
+as the response body), and a job that did not finish, which OpenAI reports with
+`"response": null` and an error code: `batch_cancelled` / `batch_expired` when the
+batch's cancel or expiry stopped it (`BatchStop`), `request_cancelled` when someone
+cancelled the job itself, `request_timeout` past its deadline. Such a job's partial
+text is dropped, as OpenAI drops it; the message names the job and how many tokens it
+had generated. A line a stopped batch never submitted gets the same code
+(`unrun_line`).
+
 Job ids are derived from the batch id and the line number, so a driver that restarts
 never submits a line twice: the fleet's submit script refuses a job id it knows.
 
@@ -20,6 +32,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -44,6 +57,23 @@ MAX_CUSTOM_ID_CHARS = 512
 MAX_LINES = 50_000  # OpenAI's limit per batch
 MAX_REPORTED_ERRORS = 20
 DEFAULT_CHAT_MAX_TOKENS = 256  # a chat line that names none (the gateway's default)
+
+
+class BatchStop(StrEnum):
+    """Why a batch stopped before all its lines ran: the error code of each line that
+    did not finish (OpenAI's codes for a batch request output's error)."""
+
+    CANCELLED = "batch_cancelled"
+    EXPIRED = "batch_expired"
+
+    @property
+    def cause(self) -> str:
+        if self is BatchStop.CANCELLED:
+            return "the batch was cancelled"
+        return "the batch expired (its completion window ended)"
+
+
+SUCCESS = frozenset({FinishReason.STOP, FinishReason.LENGTH})  # the model ended it itself
 
 
 class BatchInputError(ValueError):
@@ -228,19 +258,15 @@ def request_id(batch_id: str, index: int) -> str:
     return f"batch_req_{hashlib.sha256(f'{batch_id}/{index}'.encode()).hexdigest()[:24]}"
 
 
-def result_line(batch_id: str, line: BatchLine, result: JobResult) -> tuple[dict[str, Any], bool]:
-    """The output line of a finished job (and True), or its error line (and False)."""
-    finish = FinishEvent(
-        job_id=result.job_id,
-        reason=result.finish_reason,
-        usage=result.usage,
-        timings=result.timings,
-        error=result.error,
-        worker=result.worker,
-    )
+def result_line(
+    batch_id: str, line: BatchLine, result: JobResult, stopped: BatchStop | None = None
+) -> tuple[dict[str, Any], bool]:
+    """The output line of a finished job (and True), or its error line (and False).
+    `stopped`: the batch is being cancelled or expired, so a cancelled job is one its
+    stop cut short (else someone cancelled the job itself)."""
     rid = request_id(batch_id, line.index)
     if result.finish_reason in (FinishReason.REJECTED, FinishReason.ERROR):
-        api = from_finish(finish, retry_after_s=1)
+        api = from_finish(_finish_event(result), retry_after_s=1)
         return {
             "id": rid,
             "custom_id": line.custom_id,
@@ -251,9 +277,11 @@ def result_line(batch_id: str, line: BatchLine, result: JobResult) -> tuple[dict
             },
             "error": None,
         }, False
+    if result.finish_reason not in SUCCESS:
+        return _unfinished_line(batch_id, line, result, stopped), False
     assert line.body is not None
     out = Renderer(line.kind, result.job_id, line.body.model, int(time.time()))
-    body = out.body(result.text, finish).model_dump(mode="json")
+    body = out.body(result.text, _finish_event(result)).model_dump(mode="json")
     return {
         "id": rid,
         "custom_id": line.custom_id,
@@ -262,9 +290,48 @@ def result_line(batch_id: str, line: BatchLine, result: JobResult) -> tuple[dict
     }, True
 
 
+def _finish_event(result: JobResult) -> FinishEvent:
+    return FinishEvent(
+        job_id=result.job_id,
+        reason=result.finish_reason,
+        usage=result.usage,
+        timings=result.timings,
+        error=result.error,
+        worker=result.worker,
+    )
+
+
+def _unfinished_line(
+    batch_id: str, line: BatchLine, result: JobResult, stopped: BatchStop | None
+) -> dict[str, Any]:
+    """The error line of a job that ended before its model did: cancelled or past its
+    deadline. Its partial text is dropped (OpenAI's way); the message says how much."""
+    generated = (
+        f"its job {result.job_id} was stopped after {result.usage.completion_tokens} "
+        "generated token(s), discarded"
+    )
+    if result.finish_reason == FinishReason.DEADLINE:
+        return error_line(batch_id, line, "request_timeout", f"deadline passed: {generated}")
+    assert result.finish_reason == FinishReason.CANCELLED, result.finish_reason
+    if stopped is None:
+        return error_line(
+            batch_id, line, "request_cancelled", f"the job was cancelled in the fleet: {generated}"
+        )
+    return error_line(
+        batch_id, line, stopped.value, f"{stopped.cause} before this request finished: {generated}"
+    )
+
+
+def unrun_line(batch_id: str, line: BatchLine, stopped: BatchStop) -> dict[str, Any]:
+    """The error line of a line a cancelled or expired batch never submitted."""
+    return error_line(
+        batch_id, line, stopped.value, f"{stopped.cause} before this request was submitted"
+    )
+
+
 def error_line(batch_id: str, line: BatchLine, code: str, message: str) -> dict[str, Any]:
-    """A request that never became a job (an invalid body, a batch cancelled or expired
-    before it ran)."""
+    """A request with no response: it never became a job (an invalid body, a batch
+    stopped before it ran) or its job did not finish (`_unfinished_line`)."""
     return {
         "id": request_id(batch_id, line.index),
         "custom_id": line.custom_id,
@@ -277,6 +344,7 @@ __all__ = [
     "ENDPOINTS",
     "BatchInputError",
     "BatchLine",
+    "BatchStop",
     "batch_id_for_file",
     "error_line",
     "job_id_for",
@@ -285,4 +353,5 @@ __all__ = [
     "result_line",
     "succeeded",
     "to_request",
+    "unrun_line",
 ]

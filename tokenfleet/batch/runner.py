@@ -8,6 +8,11 @@ file the moment it is in, flushed. Job ids come from the input file's content an
 line number, so a run stopped by Ctrl-C (or a crash) and started again skips the lines
 already in the output, picks up the jobs still running in the fleet (their resubmission
 is a duplicate, never a second run) and submits the rest.
+
+A result is a success or an error line by the gateway's rule (`format.result_line`):
+only a job that ended `stop` or `length` succeeds; one cancelled in the fleet (a handle's
+`cancel()`, `SET P job:ID:cancel 1`) is an error line coded `request_cancelled`, its
+partial text dropped.
 """
 
 from __future__ import annotations

@@ -54,6 +54,15 @@ def set_(
         int | None,
         typer.Option("--max-running", help="≥ 1: its jobs of a model running fleet-wide"),
     ] = None,
+    cache_group: Annotated[
+        str | None,
+        typer.Option(
+            "--cache-group",
+            help="tenants given one group share cached prompt blocks (prefix caching); "
+            "by default a tenant's are its own. Share only between tenants that may "
+            "learn which prompts the others sent",
+        ),
+    ] = None,
     clear: Annotated[
         bool,
         typer.Option(
@@ -75,6 +84,7 @@ def set_(
             tenant,
             queued_share=queued_share,
             max_running=max_running,
+            cache_group=cache_group,
             clear=clear,
         )
     except ValueError as exc:
@@ -87,5 +97,7 @@ def set_(
     typer.echo(
         f"{keys.tenant_limits(tenant)}: queued_share "
         f"{shown(applied.queued_share, own.queued_share is None)}, max_running "
-        f"{shown(applied.max_running, own.max_running is None)}"
+        f"{shown(applied.max_running, own.max_running is None)}, cache_group "
+        f"{applied.cache_group or '-'}"
+        + (" (from *)" if applied.cache_group and not own.cache_group else "")
     )

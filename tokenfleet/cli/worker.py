@@ -63,6 +63,21 @@ def worker(
         int, typer.Option("--prefill-tokens", help="prefill tokens per tick")
     ] = 256,
     max_waiting: Annotated[int, typer.Option("--max-waiting", help="local waiting list")] = 4,
+    band_share: Annotated[
+        float,
+        typer.Option(
+            "--band-share",
+            help="each lower priority band's least share of the tokens this worker "
+            "generates while it has jobs here",
+        ),
+    ] = 1 / 16,
+    hold_s: Annotated[
+        float,
+        typer.Option(
+            "--hold-s",
+            help="a job waiting here this long without starting goes back to its stream",
+        ),
+    ] = 10.0,
     name: Annotated[str | None, typer.Option("--name", help="worker name (unique)")] = None,
     burst: Annotated[
         bool, typer.Option("--burst", help="exit 0 once the stream is empty and nothing runs")
@@ -101,6 +116,7 @@ def worker(
     signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
     import logging
 
+    from tokenfleet.worker.bands import FairnessConfig
     from tokenfleet.worker.engine import EngineConfig
     from tokenfleet.worker.loop import WorkerOptions, default_worker_name
     from tokenfleet.worker.main import build_worker
@@ -110,6 +126,10 @@ def worker(
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     conf = settings(redis_url, prefix)
+    try:
+        fairness = FairnessConfig(band_share=band_share, hold_s=hold_s)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
     engine = EngineConfig(
         kv_budget_bytes=kv_mb * MiB,
         max_active=max_active,
@@ -117,6 +137,7 @@ def worker(
         max_prefill_tokens_per_tick=prefill_tokens,
         max_waiting=max_waiting,
         prefix_cache=conf.prefix_cache if prefix_cache is None else prefix_cache,
+        fairness=fairness,
     )
     options = WorkerOptions(
         name=name or default_worker_name(),

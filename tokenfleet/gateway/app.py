@@ -25,13 +25,14 @@ from starlette.responses import JSONResponse, Response
 from tokenfleet.config import Settings
 from tokenfleet.gateway.auth import KeyCheck
 from tokenfleet.gateway.errors import ApiError
-from tokenfleet.gateway.limits import BodyLimit
+from tokenfleet.gateway.limits import BodyLimit, Limit
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestCounter
 from tokenfleet.gateway.openai_models import ModelCard, ModelList
 from tokenfleet.gateway.service import Gateway, GatewayConfig, redis_down
 from tokenfleet.gateway.subscriber import Subscriber
 
 CLIENT_NAME = "tokenfleet-gateway"  # the command connections, in CLIENT LIST
+FORM_BYTES = 64 * 1024  # what an upload's multipart form may add around its file
 
 
 def create_app(settings: GatewayConfig | Settings) -> FastAPI:
@@ -108,12 +109,11 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         redoc_url=None,
         openapi_url=None,
     )
-    upload_limit = max(config.max_body_bytes, config.max_file_bytes + 64 * 1024)  # + form
     app.add_middleware(
         BodyLimit,
         max_bytes=config.max_body_bytes,
         metrics=metrics,
-        per_path={"/v1/files": upload_limit},
+        per_path={"/v1/files": upload_limit(config)},
     )
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: counts the 413s too
     authed = [Depends(require_key)]
@@ -197,3 +197,18 @@ def create_app(settings: GatewayConfig | Settings) -> FastAPI:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def upload_limit(config: GatewayConfig) -> Limit:
+    """The body limit of `POST /v1/files`: the file limit and room for the form around
+    it, or the general body limit where that is bigger (the 413 names the one that
+    applies)."""
+    files = config.max_file_bytes
+    upload = Limit(
+        files + FORM_BYTES,
+        f"an upload: a file of at most {files:,} bytes, TOKENFLEET_GATEWAY_MAX_FILE_BYTES, "
+        f"plus {FORM_BYTES:,} for the form",
+        code="file_too_large",
+        param="file",
+    )
+    return upload if upload.max_bytes >= config.max_body_bytes else Limit(config.max_body_bytes)

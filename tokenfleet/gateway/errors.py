@@ -14,8 +14,14 @@ from tokenfleet.errors import QueueFull, TenantQueueFull
 from tokenfleet.gateway.openai_models import ErrorBody, ErrorDetail
 from tokenfleet.protocol import FinishEvent
 from tokenfleet.reasons import AdmissionReason, FinishReason
+from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH, GrammarEnd
 
 INVALID = "invalid_request_error"
+# pydantic's JSON parser (jiter) refuses a body whose arrays and objects nest deeper
+# than this, before any field is read (the OpenAI models cannot change it)
+MAX_BODY_DEPTH = 200
+
+_GRAMMAR_ENDS = frozenset(GrammarEnd)
 
 # Protocol field → the OpenAI parameter it came from (for `param`).
 _PARAM_OF = {
@@ -68,6 +74,15 @@ def from_validation(exc: ValidationError) -> ApiError:
     """A 400 naming the first bad field (a body that is not JSON says so)."""
     errors = exc.errors(include_url=False)
     first = errors[0]
+    if first["type"] == "json_invalid" and "recursion limit" in str(first["ctx"].get("error")):
+        where = str(first["ctx"]["error"]).rpartition(" exceeded ")[2]  # "at line 1 column N"
+        return ApiError(
+            400,
+            f"the body nests deeper than {MAX_BODY_DEPTH} levels of arrays and objects inside "
+            f"each other ({where}), the gateway's JSON parser's limit; a response_format schema "
+            f"may nest at most MAX_SCHEMA_DEPTH={MAX_SCHEMA_DEPTH} levels",
+            code="body_too_deep",
+        )
     if first["type"] == "json_invalid":
         return ApiError(
             400,
@@ -92,6 +107,13 @@ def from_finish(finish: FinishEvent, retry_after_s: int) -> ApiError:
     assert finish.reason in (FinishReason.REJECTED, FinishReason.ERROR)
     reason = finish.error.reason if finish.error else str(finish.reason)
     message = finish.error.message if finish.error else f"the job ended as {finish.reason}"
+    if reason in _GRAMMAR_ENDS:  # the request's constraint, not the fleet, stopped it
+        return ApiError(
+            400,
+            f"the output does not satisfy the request's structured-output constraint "
+            f"(response_format, guided_regex or guided_grammar): {message}",
+            code=reason,
+        )
     if finish.reason == FinishReason.ERROR:
         return ApiError(500, f"generation failed: {message}", type="server_error", code=reason)
     if reason == AdmissionReason.REJECTED_QUEUE_FULL:

@@ -49,7 +49,9 @@ from tokenfleet.protocol import (
     MAX_TOKEN_ID,
     GenerationRequest,
     Priority,
+    Structured,
 )
+from tokenfleet.worker.grammar import GrammarError, check
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise
@@ -108,6 +110,27 @@ class ResponseFormat(_Strict):
             raise ValueError("response_format.json_schema goes with type 'json_schema' only")
         return self
 
+    def structured(self) -> dict[str, Any] | None:
+        """The job's `structured` field for this format; None for plain text."""
+        if self.type == "json_object":
+            return {"kind": "json_object"}
+        if self.json_schema is not None:
+            return {"kind": "json_schema", "value": json.dumps(self.json_schema.schema_)}
+        return None
+
+
+# The request fields that constrain the output (one at most), as `structured` kinds.
+_CONSTRAINTS = ("response_format", "guided_regex", "guided_grammar")
+
+
+def _constraint(field: str | None, value: object) -> dict[str, Any] | None:
+    """The job's `structured` field for one constraint field's value (None: no constraint)."""
+    if isinstance(value, ResponseFormat):
+        return value.structured()
+    if isinstance(value, str):
+        return {"kind": "regex" if field == "guided_regex" else "lark", "value": value}
+    return None
+
 
 class _GenerationParams(_Strict):
     """What completions and chat completions share."""
@@ -163,6 +186,29 @@ class _GenerationParams(_Strict):
             return "interactive"
         return "batch" if asked == "batch" else key_default
 
+    @field_validator("response_format", "guided_regex", "guided_grammar")
+    @classmethod
+    def _usable_grammar(
+        cls, value: ResponseFormat | str | None, info: ValidationInfo
+    ) -> ResponseFormat | str | None:
+        """A constraint the fleet could never honour is refused here, before any token:
+        one that does not compile, nests too deep, or allows no finite output
+        (`worker.grammar.check`, the same check the worker makes)."""
+        spec = _constraint(info.field_name, value)
+        if spec is None:
+            return value
+        size = len(spec.get("value") or "")
+        if size > MAX_GRAMMAR_CHARS:
+            raise ValueError(
+                f"the schema is {size:,} characters as JSON, "
+                f"limit MAX_GRAMMAR_CHARS={MAX_GRAMMAR_CHARS}"
+            )
+        try:
+            check(Structured.model_validate(spec))
+        except GrammarError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
     @model_validator(mode="after")
     def _one_constraint(self) -> _GenerationParams:
         self.structured()  # raises when more than one is given
@@ -170,16 +216,11 @@ class _GenerationParams(_Strict):
 
     def structured(self) -> dict[str, Any] | None:
         """The job's `structured` field; at most one constraint may be given."""
-        given: list[dict[str, Any]] = []
-        fmt = self.response_format
-        if fmt is not None and fmt.type == "json_object":
-            given.append({"kind": "json_object"})
-        if fmt is not None and fmt.json_schema is not None:
-            given.append({"kind": "json_schema", "value": json.dumps(fmt.json_schema.schema_)})
-        if self.guided_regex is not None:
-            given.append({"kind": "regex", "value": self.guided_regex})
-        if self.guided_grammar is not None:
-            given.append({"kind": "lark", "value": self.guided_grammar})
+        given = [
+            spec
+            for name in _CONSTRAINTS
+            if (spec := _constraint(name, getattr(self, name))) is not None
+        ]
         if len(given) > 1:
             raise ValueError("give one of response_format, guided_regex and guided_grammar")
         return given[0] if given else None

@@ -2,11 +2,14 @@
 
 A full block's KV depends on every token before it, so its address is a hash chained
 over its own tokens and its parent's address. The chain starts at a root that holds
-whatever else changes the content: the model's weights and dtype/quantization, and the
-job's `cache_salt` (jobs with different salts never share a block: a prefix-cache hit
-is a timing side channel between tenants, so a tenant can opt out of sharing by sending
-its own salt). Two jobs whose token prefixes agree block for block, under the same
-root, get the same addresses and can share those blocks.
+whatever else changes the content, and who may share it: the model's weights and
+dtype/quantization, the job's *cache scope* (its tenant, or the cache group an operator
+put its tenant in: `cache_scope`) and the job's `cache_salt`. A prefix-cache hit shows
+(a faster first token, `usage.cached_tokens`), so a job that could hit another tenant's
+blocks could test whether a prompt it guesses was sent recently: blocks are shared only
+within one scope, and a salt partitions a scope further (within a tenant, never across).
+Two jobs whose token prefixes agree block for block, under the same root, get the same
+addresses and can share those blocks.
 """
 
 from __future__ import annotations
@@ -18,10 +21,17 @@ from collections.abc import Sequence
 DIGEST_BYTES = 16
 
 
-def root_hash(identity: str, cache_salt: str | None = None) -> bytes:
-    """The chain's start for one model (`identity`) and one salt."""
+def cache_scope(tenant: str, group: str | None = None) -> str:
+    """Who may share a job's cached blocks: its tenant's jobs, or (when an operator gave
+    the tenant a cache group, tenants.py) the jobs of every tenant in that group."""
+    return f"group:{group}" if group else f"tenant:{tenant}"
+
+
+def root_hash(identity: str, scope: str, cache_salt: str | None = None) -> bytes:
+    """The chain's start for one model (`identity`), one cache scope and one salt."""
     h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"tokenfleet-kv")
     h.update(identity.encode())
+    h.update(b"\x00scope\x00" + scope.encode())
     if cache_salt is not None:
         h.update(b"\x00salt\x00" + cache_salt.encode())
     return h.digest()
@@ -41,4 +51,4 @@ def chain_hashes(
     return out
 
 
-__all__ = ["DIGEST_BYTES", "chain_hashes", "root_hash"]
+__all__ = ["DIGEST_BYTES", "cache_scope", "chain_hashes", "root_hash"]

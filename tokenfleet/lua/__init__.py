@@ -3,7 +3,7 @@ files beside this module (each starts with its KEYS/ARGV header).
 
 owned_entry.lua is not a script: it holds the owner check and the helpers of the
 scripts that act on a jobs-stream entry a worker owns (accept, tick, dead_letter,
-redeliver), and is prepended to each of them here. Callers register the text they
+redeliver, requeue), and is prepended to each of them here. Callers register the text they
 need (`client.register_script(TICK_LUA)`); nothing else reads tokenfleet/lua/.
 """
 
@@ -24,6 +24,7 @@ ACCEPT_LUA = _OWNED_ENTRY + _read("accept")  # worker: check entries just read, 
 TICK_LUA = _OWNED_ENTRY + _read("tick")  # worker: one tick's fenced writes for every held job
 DEAD_LETTER_LUA = _OWNED_ENTRY + _read("dead_letter")  # worker: dead-letter an owned entry
 REDELIVER_LUA = _OWNED_ENTRY + _read("redeliver")  # worker: count an in-process retry
+REQUEUE_LUA = _OWNED_ENTRY + _read("requeue")  # worker: put a job it can't start back
 PULL_LUA = _read("pull")  # worker: read new entries, highest band first, with the guard
 CLAIM_ORPHANS_LUA = _read("claim_orphans")  # worker: take over the entries of dead workers
 PROBE_LUA = _read("probe")  # worker: at start, which of its commands its ACL user may not run
@@ -36,6 +37,7 @@ SCRIPTS = MappingProxyType(
         "tick": TICK_LUA,
         "dead_letter": DEAD_LETTER_LUA,
         "redeliver": REDELIVER_LUA,
+        "requeue": REQUEUE_LUA,
         "pull": PULL_LUA,
         "claim_orphans": CLAIM_ORPHANS_LUA,
         "probe": PROBE_LUA,
@@ -51,6 +53,7 @@ __all__ = [
     "PROBE_LUA",
     "PULL_LUA",
     "REDELIVER_LUA",
+    "REQUEUE_LUA",
     "SCRIPTS",
     "SUBMIT_LUA",
     "TICK_LUA",

@@ -14,7 +14,10 @@
 -- ARGV[4]  now, unix seconds (started_at)
 -- ARGV[3+2i], ARGV[4+2i]  entry i's id and job id
 --
--- Reply: per entry {verdict, cancelled (0/1), submitted_at ('' unless ok)}:
+-- Reply: per entry {verdict, cancelled (0/1), submitted_at, emitted, cache group}, the
+-- last three '' unless ok: emitted = token indices the job's replay stream holds (the
+-- hash's `emitted`: a job put back by a worker, or claimed, resumes after them), cache
+-- group = the tenant's `cache_group`, else the default limits' ('' for none):
 --   'ok'           the job's state records this entry, which is pending to this worker:
 --                  marked running here, counted in its tenant's running set
 --   'deferred'     as 'ok', but its tenant is at max_running: re-queued at the tail
@@ -36,13 +39,13 @@ for i = 1, n do
   local state = redis.call('HMGET', hash, 'status', 'entry', 'stream', 'submitted_at')
   local flag = redis.call('EXISTS', cancel)
   if owner_of(stream, entry) ~= ARGV[2] then
-    reply[i] = {'lost', flag, ''}
+    reply[i] = {'lost', flag, '', '', ''}
   elseif not state[1] then
-    reply[i] = {'unsubmitted', flag, ''}
+    reply[i] = {'unsubmitted', flag, '', '', ''}
   elseif state[2] ~= entry or state[3] ~= stream then
-    reply[i] = {'duplicate', flag, ''}
+    reply[i] = {'duplicate', flag, '', '', ''}
   elseif state[1] == 'finished' then
-    reply[i] = {'finished', flag, ''}
+    reply[i] = {'finished', flag, '', '', ''}
   else
     local most = tonumber(redis.call('HGET', limits, 'max_running') or '')
       or tonumber(redis.call('HGET', defaults, 'max_running') or '')
@@ -55,12 +58,15 @@ for i = 1, n do
       ack_delete_entry(stream, entry)
       local again = redis.call('XADD', stream, '*', unpack(fields))
       redis.call('HSET', hash, 'entry', again)
-      reply[i] = {'deferred', flag, ''}
+      reply[i] = {'deferred', flag, '', '', ''}
     else
       redis.call('HSET', hash, 'status', 'running', 'worker', ARGV[2], 'started_at', ARGV[4])
       redis.call('ZREM', queued, job)
       redis.call('ZADD', running, ARGV[4], job)
-      reply[i] = {'ok', flag, state[4] or ''}
+      local group = redis.call('HGET', limits, 'cache_group')
+        or redis.call('HGET', defaults, 'cache_group') or ''
+      local emitted = redis.call('HGET', hash, 'emitted') or '0'
+      reply[i] = {'ok', flag, state[4] or '', emitted, group}
     end
   end
 end

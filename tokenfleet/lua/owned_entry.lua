@@ -1,5 +1,5 @@
 -- Functions for the scripts that act on a jobs-stream entry this worker owns
--- (tick.lua, accept.lua, dead_letter.lua, redeliver.lua). Not a script by itself:
+-- (tick.lua, accept.lua, dead_letter.lua, redeliver.lua, requeue.lua). Not a script by itself:
 -- tokenfleet/lua/__init__.py prepends this file to each of them.
 --
 -- Those scripts share this calling convention:

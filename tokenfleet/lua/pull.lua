@@ -10,6 +10,9 @@
 -- ARGV[5..4+n]  the bands' names, in KEYS order
 -- ARGV[5+n]  extra: how many more it may take from the highest band alone (a worker
 --            with no room but lower-band jobs running, which these would preempt)
+-- ARGV[6+n..5+2n]  floor, per band: '1' when this worker holds no job of the band and
+--            takes one of it if one waits, room or not (its share of the worker's tokens
+--            needs work there: worker/bands.py); '0' (or absent) otherwise
 --
 -- Reply: a list of {band index (0 = highest), entry id, fields}, fields a flat
 -- [f1, v1, ...] list, in the order pulled. Errors with NOGROUP when a band's stream
@@ -46,7 +49,11 @@ local function waiting(s)
 end
 
 local extra = tonumber(ARGV[5 + n]) or 0
-if tonumber(ARGV[3]) <= 0 then
+local floor = false
+for b = 1, n do
+  floor = floor or ARGV[5 + n + b] == '1'
+end
+if tonumber(ARGV[3]) <= 0 and not floor then
   -- Only the highest band may be read (a full worker's preempting pull, every tick):
   -- nothing waiting there is the common case, so answer it with one look and no write.
   local top = extra > 0 and waiting(KEYS[1])
@@ -70,6 +77,7 @@ for b = 1, n do
 end
 
 local out = {}
+local got = {}  -- band -> entries this call pulled of it
 
 -- Pull up to `want` entries of band `b`; returns how many came.
 local function take(b, want)
@@ -89,6 +97,7 @@ local function take(b, want)
   for _, e in ipairs(entries) do
     out[#out + 1] = {b - 1, e[1], e[2]}
   end
+  got[b] = (got[b] or 0) + #entries
   if #entries > 0 then
     passed[b] = 0
     for below = b + 1, n do
@@ -131,6 +140,11 @@ while left > 0 do
 end
 if extra > 0 and open[1] then
   take(1, extra)
+end
+for b = 1, n do
+  if ARGV[5 + n + b] == '1' and open[b] and not got[b] then
+    take(b, 1)
+  end
 end
 
 -- The guard's counts, written only when one changed (this runs every tick).

@@ -19,18 +19,17 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
-from tokenfleet.keys import BANDS
-from tokenfleet.kv.prefix import chain_hashes, root_hash
+from tokenfleet.kv.prefix import cache_scope, chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
+from tokenfleet.worker.bands import BandPolicy, FairnessConfig, band_of
 from tokenfleet.worker.grammar import Grammars, MaskJobs
 from tokenfleet.worker.runner import ModelRunner
 from tokenfleet.worker.scheduler import (
@@ -66,6 +65,7 @@ class EngineConfig:
     block_size: int = 16
     scratch_budget_bytes: int | None = None  # None: enough for max_active sessions' worst case
     prefix_cache: bool = True  # share full KV blocks between jobs with the same prefix
+    fairness: FairnessConfig = field(default_factory=FairnessConfig)  # between bands
 
     def budget(self, runner: ModelRunner) -> NodeBudget:
         layout = runner.spec.kv_layout(self.block_size)
@@ -125,7 +125,8 @@ class Engine:
         )
         self.stats = EngineStats(self.budget.max_batch_size)
         self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
-        self.waiting: deque[Session] = deque()  # queued locally until they fit
+        self.waiting: list[Session] = []  # queued locally until they fit (arrival order)
+        self.bands = BandPolicy(self.config.fairness)  # which waiting job starts next
         self._ended: list[Finished] = []  # outcomes decided between ticks
         self._runner_s = 0.0  # runner time of the step in progress
         # Mean prompt length of admitted jobs (moving average): how many jobs one tick's
@@ -141,9 +142,12 @@ class Engine:
         resume_ids: list[int] | None = None,
         submitted_at: float | None = None,
         overflow: bool = False,
+        cache_group: str | None = None,
     ) -> AdmissionDecision:
         """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
-        already emitted (indices 0..n-1): the job continues at index n.
+        already emitted (indices 0..n-1): the job continues at index n. Its cached
+        prompt blocks are shared with its tenant's jobs only, or with those of every
+        tenant in `cache_group` (the tenant's setting, as accept.lua reads it).
 
         A rejection is also returned by the next `step()` as a `Finished` with
         reason `rejected`, so a caller only has to publish what `step()` returns;
@@ -157,6 +161,7 @@ class Engine:
             session = self._new_session(request, submitted_at or now)
         except ValueError as exc:
             return self._reject(request, AdmissionReason.REJECTED_INVALID, str(exc), now)
+        session.cache_scope = cache_scope(request.tenant, cache_group)
         for token in resume_ids or []:
             _, ended = session.accept(token)
             if ended is not None:  # everything was emitted; only the finish event is missing
@@ -175,9 +180,9 @@ class Engine:
         if decision.reason is AdmissionReason.ADMITTED:
             self._start(session, now)
         elif decision.reason is AdmissionReason.QUEUED:
-            self._wait(session)
+            self._wait(session, now)
         elif decision.reason is AdmissionReason.REJECTED_QUEUE_FULL and overflow:
-            self._wait(session)
+            self._wait(session, now)
             decision = AdmissionDecision(AdmissionReason.QUEUED, decision.message)
         elif decision.reason is AdmissionReason.REJECTED_DUPLICATE:
             # The job is already here: its one terminal event belongs to that copy.
@@ -186,17 +191,10 @@ class Engine:
             self._reject(request, decision.reason, decision.message, now)
         return decision
 
-    def _wait(self, session: Session, *, first_of_band: bool = False) -> None:
-        """Queue locally, ahead of every waiting job of a lower priority band (and, with
-        `first_of_band`, of its own band: a preempted session resumes first)."""
-        rank = _rank(session)
-        at = len(self.waiting)
-        while at > 0 and (
-            _rank(self.waiting[at - 1]) > rank
-            or (first_of_band and _rank(self.waiting[at - 1]) == rank)
-        ):
-            at -= 1
-        self.waiting.insert(at, session)
+    def _wait(self, session: Session, now: float) -> None:
+        """Queue locally; `self.bands` says which waiting job starts next."""
+        session.waiting_since = now
+        self.waiting.append(session)
 
     def cancel(self, job_id: str, reason: FinishReason = FinishReason.CANCELLED) -> bool:
         """End a job now (freeing its KV); its `Finished` comes out of the next `step()`."""
@@ -276,8 +274,10 @@ class Engine:
     def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
         tokens = self._execute(plan)  # session id -> sampled token
         now = self.clock()
+        generated = [0] * len(self.bands.shares.credit)  # sampled tokens per band
         for sid, token in tokens.items():
             session = self.sessions[sid]
+            generated[band_of(session)] += 1
             try:
                 event, ended = session.accept(token)
             except Exception as exc:  # one job's text handling must not take the batch down
@@ -290,6 +290,7 @@ class Engine:
             if ended is not None:
                 self._end(session, ended, now)
         self.scheduler.complete_tick(plan)  # advances the sessions still running
+        self.bands.record_tick(generated, (*self.sessions.values(), *self.waiting))
 
     def _execute(self, plan: TickPlan) -> dict[str, int]:
         """Each sampling session's next token; on failure, retry entries one by one and
@@ -388,7 +389,7 @@ class Engine:
     def _hash_root(self, session: Session) -> bytes | None:
         if not self.blocks.prefix_cache:
             return None
-        return root_hash(self.spec.cache_identity, session.request.cache_salt)
+        return root_hash(self.spec.cache_identity, session.cache_scope, session.request.cache_salt)
 
     def _block_hashes(self, session: Session) -> list[bytes]:
         """Addresses of the full blocks before the last known token (prompt + emitted:
@@ -410,21 +411,23 @@ class Engine:
             session.prompt_ids,
             session.max_new_tokens,
             output_ids=session.emitted,
-            rank=_rank(session),
+            rank=self.bands.rank(session),  # prefill order: a starved band's first
             hash_root=self._hash_root(session),
             block_hashes=list(self._block_hashes(session)),
         )
         self.scheduler.add(session.seq)
+        self.bands.on_start(session)
         if session.admitted_at is None:  # a preempted session keeps its first admission
             session.admitted_at = now
         self.sessions[session.job_id] = session
         self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)
 
     def _promote(self, now: float) -> None:
-        """Start waiting jobs in order while they fit; a head that does not fit takes the
-        place of running jobs of lower bands, one at a time (`_preempt`)."""
+        """Start waiting jobs in the bands' order (bands.py) while they fit; a head that
+        does not fit takes the place of a running job that ranks below it (`_preempt`)."""
         while self.waiting:
-            head = self.waiting[0]
+            head = self.bands.next_to_start(self.waiting)
+            assert head is not None
             fits = self.admission.fits_now(
                 self._admission_request(head),
                 active_count=len(self.sessions),
@@ -432,37 +435,53 @@ class Engine:
                 scratch_in_use=self.scratch_in_use,
             )
             if fits:
-                self._start(self.waiting.popleft(), now)
-            elif not self._preempt(_rank(head)):
+                self.waiting.remove(head)
+                self._start(head, now)
+            elif not self._preempt(self.bands.rank(head), now):
                 return
 
-    def _preempt(self, rank: int) -> bool:
-        """Put back one running session of a band below `rank` (the lowest band, and of
-        it the one with the least computed) to wait: its KV is freed (its full blocks
-        stay in the prefix cache), and it later resumes from prompt + emitted tokens,
-        recomputing their KV, with the same session (its events, sampler stream, grammar
-        state). False when there is none. Running jobs of the same band never preempt
-        each other, so two bands cannot take turns throwing each other out."""
-        lower = [s for s in self.sessions.values() if _rank(s) > rank]
-        if not lower:
+    def _preempt(self, rank: int, now: float) -> bool:
+        """Put back one running session that ranks below `rank` (`BandPolicy.victim`) to
+        wait: its KV is freed (its full blocks stay in the prefix cache), and it later
+        resumes from prompt + emitted tokens, recomputing their KV, with the same session
+        (its events, sampler stream, grammar state). False when there is none."""
+        victim = self.bands.victim(rank, self.sessions.values())
+        if victim is None:
             return False
-        victim = max(
-            lower, key=lambda s: (_rank(s), -(s.seq.num_computed if s.seq is not None else 0))
-        )
         self._remove(victim)
         victim.seq = None
         victim.block_hashes = None  # prompt + what it emitted: looked up again
-        self._wait(victim, first_of_band=True)
+        victim.preemptions += 1
+        self._wait(victim, now)
         self.stats.record_preemption()
         return True
 
     def interactive_room(self) -> int:
         """How many interactive jobs to pull beyond `room()`: as many as there are running
-        sessions of lower bands for them to preempt (less the interactive jobs already
+        sessions an interactive job may put back (less the interactive jobs already
         waiting here), at most the local waiting list's size."""
-        lower = sum(1 for s in self.sessions.values() if _rank(s) > 0)
-        waiting = sum(1 for s in self.waiting if _rank(s) == 0)
+        lower = sum(
+            1
+            for s in self.sessions.values()
+            if self.bands.rank(s) > 0 and not self.bands.protected(s)
+        )
+        waiting = sum(1 for s in self.waiting if band_of(s) == 0)
         return max(0, min(lower, self.budget.max_waiting) - waiting)
+
+    def overdue(self) -> list[str]:
+        """Jobs waiting here, not started, for `fairness.hold_s` or longer: the worker
+        gives them back to their streams (`give_back`), for a worker that can start them."""
+        return [s.job_id for s in self.bands.overdue(self.waiting, self.clock())]
+
+    def give_back(self, job_id: str) -> bool:
+        """Forget a waiting job the worker has put back in its stream: no terminal
+        outcome (the next worker's), its emitted tokens stay published."""
+        session = next((s for s in self.waiting if s.job_id == job_id), None)
+        if session is None:
+            return False
+        self.waiting.remove(session)
+        self.stats.record_returned()
+        return True
 
     def _expire(self, now: float) -> None:
         """End jobs past their deadline, and jobs not started yet past their queue deadline
@@ -547,6 +566,7 @@ class Engine:
             snap.update(self.blocks.stats.as_fields())
         if self.threads is not None:
             snap.update(self.threads.telemetry())
+        snap.update(self.bands.telemetry())
         return snap
 
 
@@ -570,8 +590,3 @@ def _queue_expired(session: Session, now: float) -> bool:
 
 def _error(where: str, exc: BaseException) -> ErrorInfo:
     return ErrorInfo(reason=f"{where}_error", message=f"{type(exc).__name__}: {exc}"[:4096])
-
-
-def _rank(session: Session) -> int:
-    """The session's priority band's place in keys.BANDS: 0 (interactive) starts first."""
-    return BANDS.index(session.request.priority)

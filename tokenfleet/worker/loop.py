@@ -14,6 +14,10 @@ iteration:
             the job's current delivery — plus the heartbeat when due, plus a read
             of what the engine has room for next (pull.lua: the highest band first).
 
+Between the replies and the next pull, a job this worker has held past `--hold-s`
+without starting it (its slots kept busy by higher bands) goes back to its band's
+stream (requeue.lua, fenced), for any worker with room (worker/bands.py).
+
 Ownership is fenced in the same script that writes, per job per tick: a worker
 that was paused (SIGSTOP) or cut off while another worker took its jobs over
 learns so at its next publish, writes nothing for them, and drops them at once
@@ -65,6 +69,7 @@ from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.queue import (
+    Accepted,
     InFlight,
     TickReply,
     TickVerdict,
@@ -159,6 +164,7 @@ class Worker:
         self._drain_deadline = 0.0
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
+        self._last_floor = 0.0
         self._resync = False  # after a reconnect: re-read own pending list, resend events
         self._all_deferred = False  # the last admit put back every entry it read
         self.started_at = time.time()
@@ -295,6 +301,7 @@ class Worker:
             return
         self.tick()
         self._receive()
+        self._give_back_overdue()  # nothing is in flight here
         self.pull()
         self._send()
         if not self.options.overlap:
@@ -353,14 +360,13 @@ class Worker:
             return
         verdicts = self.queue.accept([d for d, _ in decoded])
         deferred = 0
-        for (delivery, request), (verdict, cancelled, submitted_at) in zip(
-            decoded, verdicts, strict=True
-        ):
+        for (delivery, request), accepted in zip(decoded, verdicts, strict=True):
+            verdict = accepted.verdict
             if verdict is Verdict.OK:
                 if request.job_id in self.held:
                     continue  # held here already (its entry read again after a reconnect)
                 if delivery.deliveries <= self.options.max_deliveries:
-                    self._submit(delivery, request, cancelled, submitted_at)
+                    self._submit(delivery, request, accepted)
                     continue
                 message = (
                     f"delivered {delivery.deliveries} times (limit {self.options.max_deliveries})"
@@ -402,24 +408,27 @@ class Worker:
             return None
         return request
 
-    def _submit(
-        self,
-        delivery: Delivery,
-        request: GenerationRequest,
-        cancelled: bool,
-        submitted_at: float | None,
-    ) -> None:
+    def _submit(self, delivery: Delivery, request: GenerationRequest, accepted: Accepted) -> None:
         job_id = request.job_id
-        resume = self.queue.emitted_tokens(job_id) if delivery.deliveries > 1 else []
+        # a claimed job, or one another worker gave back, resumes after its published tokens
+        again = delivery.deliveries > 1 or accepted.emitted > 0
+        resume = self.queue.emitted_tokens(job_id) if again else []
+        submitted_at = accepted.submitted_at
         if submitted_at is None:  # a state hash without it: the entry id's time
             submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0
         band = self._band(delivery)  # the band it waited in decides here too
         if band != request.priority:
             request = request.model_copy(update={"priority": band})
-        self.engine.submit(request, resume_ids=resume, submitted_at=submitted_at, overflow=True)
+        self.engine.submit(
+            request,
+            resume_ids=resume,
+            submitted_at=submitted_at,
+            overflow=True,
+            cache_group=accepted.cache_group,
+        )
         session = self.engine.session(job_id)
         self.held[job_id] = _Held(delivery, job_id, session, sent=len(resume))
-        if cancelled:
+        if accepted.cancelled:
             self.engine.cancel(job_id)
 
     def _band(self, delivery: Delivery) -> str:
@@ -437,6 +446,24 @@ class Worker:
             if held is not None:
                 held.end = done
 
+    def _give_back_overdue(self) -> None:
+        """Jobs this worker could not start within the hold bound go back to their band's
+        stream (requeue.lua, fenced), for a worker with room: a job never waits behind one
+        worker's higher-band traffic while another could serve it. Only jobs whose
+        published state is whole (no event unsent) move; the next worker resumes after
+        their published tokens. Not while draining: those are handed back at exit."""
+        if self.draining:
+            return
+        for job_id in self.engine.overdue():
+            held = self.held.get(job_id)
+            if held is None or held.dirty:
+                continue
+            if self.queue.requeue(held.delivery) is None:
+                continue  # not ours any more: the next round trip says so and drops it
+            self.engine.give_back(job_id)
+            del self.held[job_id]
+            log.info("job %s waited here past the hold bound: back in its stream", job_id)
+
     # ---- publish -----------------------------------------------------------------
 
     def publish(self) -> None:
@@ -451,27 +478,42 @@ class Worker:
         assert self.in_flight is None, "a round trip is already in flight"
         held = list(self.held.values())
         read = extra = 0
+        floor: list[str] = []
         if not self.draining and (self.engine.has_work or held):
             read = self.engine.room() - len(self.prefetched)
             # interactive jobs that would preempt lower bands running here
             top = self.queue.streams[0]
             extra = self.engine.interactive_room()
             extra -= sum(1 for d in self.prefetched if d.stream == top)
-        if not held and read <= 0 and extra <= 0 and not self._heartbeat_due():
+            floor = self._floor_bands()
+        reads = read > 0 or extra > 0 or bool(floor)
+        if not held and not reads and not self._heartbeat_due():
             return
         pipe = self.redis.pipeline(transaction=False)
         writes = [self._write_of(h) for h in held]
         if writes:
             self.queue.tick(writes, pipe)
-        if read > 0 or extra > 0:
-            self.queue.pull(max(0, read), pipe, max(0, extra))
+        if reads:
+            self.queue.pull(max(0, read), pipe, max(0, extra), floor)
         if self._heartbeat_due():
             self.heartbeat(pipe=pipe)
         errors = [
             h.end if h.end is not None and w.end is None else None
             for h, w in zip(held, writes, strict=True)
         ]
-        self.in_flight = _RoundTrip(InFlight(self.redis, pipe), held, errors, read > 0 or extra > 0)
+        self.in_flight = _RoundTrip(InFlight(self.redis, pipe), held, errors, reads)
+
+    def _floor_bands(self) -> list[str]:
+        """The lower bands this worker holds no job of, about once a second (pull.lua
+        then takes one of each that has jobs waiting, room or not): a band's share of
+        this worker's tokens (worker/bands.py) needs a job of it here to act on."""
+        now = time.monotonic()
+        if now - self._last_floor < self.options.claim_every_s:
+            return []
+        self._last_floor = now
+        holding = {self._band(h.delivery) for h in self.held.values()}
+        holding |= {self._band(d) for d in self.prefetched}
+        return [band for band in BANDS[1:] if band not in holding]
 
     def _receive(self) -> None:
         """Apply the replies of the round trip in flight, if any."""

@@ -50,6 +50,7 @@ from tokenfleet.lua import (
     PROBE_LUA,
     PULL_LUA,
     REDELIVER_LUA,
+    REQUEUE_LUA,
     TICK_LUA,
 )
 from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_event, encode
@@ -83,11 +84,15 @@ class Verdict(StrEnum):
 
 class Accepted(NamedTuple):
     """accept.lua's answer for one entry: its verdict, whether its client asked to cancel,
-    and (for OK) when the job was submitted (unix s; None when unknown)."""
+    and, for OK: when the job was submitted (unix s; None when unknown), how many token
+    indices its replay stream holds already (a job put back or claimed resumes after
+    them), and its tenant's cache group (None: the tenant's cache is its own)."""
 
     verdict: Verdict
     cancelled: bool
     submitted_at: float | None = None
+    emitted: int = 0
+    cache_group: str | None = None
 
 
 class TickVerdict(StrEnum):
@@ -138,6 +143,7 @@ class WorkerQueue:
         self._pull = client.register_script(PULL_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
         self._redeliver = client.register_script(REDELIVER_LUA)
+        self._requeue = client.register_script(REQUEUE_LUA)
         self._accept = client.register_script(ACCEPT_LUA)
         self._tick = client.register_script(TICK_LUA)
         self._probe = client.register_script(PROBE_LUA)
@@ -194,19 +200,21 @@ class WorkerQueue:
         reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, block_ms)
         return [delivery(entry_id, fields, 1, stream) for stream, entry_id, fields in _named(reply)]
 
-    def pull(self, count: int, pipe: Any, extra: int = 0) -> None:
+    def pull(self, count: int, pipe: Any, extra: int = 0, floor: Sequence[str] = ()) -> None:
         """Queue a read of up to `count` new entries (pull.lua) on `pipe`, plus up to
-        `extra` more of the highest band alone; its reply goes to `parse_pull`. Loaded
-        at start (`load_scripts`), like tick.lua."""
+        `extra` more of the highest band alone, plus one of each band in `floor` that has
+        entries waiting (bands this worker holds no job of); its reply goes to
+        `parse_pull`. Loaded at start (`load_scripts`), like tick.lua."""
         script_keys = self._pull_keys()
-        args = self._pull_args(count, extra)
+        args = self._pull_args(count, extra, floor)
         pipe.evalsha(self._pull.sha, len(script_keys), *script_keys, *args)
 
     def _pull_keys(self) -> list[str]:
         return [*self.streams, self.keys.pulls(self.model)]
 
-    def _pull_args(self, count: int, extra: int = 0) -> list[ScriptArg]:
-        return [GROUP, self.worker, count, self.guard, *BANDS, extra]
+    def _pull_args(self, count: int, extra: int = 0, floor: Sequence[str] = ()) -> list[ScriptArg]:
+        flags = ["1" if band in floor else "0" for band in BANDS]
+        return [GROUP, self.worker, count, self.guard, *BANDS, extra, *flags]
 
     def parse_pull(self, reply: Any) -> list[Delivery]:
         out = []
@@ -251,8 +259,14 @@ class WorkerQueue:
             args += [d.entry_id, d.job_id]
         reply = self._accept(keys=script_keys, args=args)
         return [
-            Accepted(Verdict(_str(verdict)), bool(int(flag)), float(at) if at else None)
-            for verdict, flag, at in reply
+            Accepted(
+                Verdict(_str(verdict)),
+                bool(int(flag)),
+                float(at) if at else None,
+                int(emitted) if emitted else 0,
+                _str(group) if group else None,
+            )
+            for verdict, flag, at, emitted, group in reply
         ]
 
     def _tenant_keys(self, d: Delivery) -> list[str]:
@@ -358,6 +372,15 @@ class WorkerQueue:
         worker's (claimed, finished) or its data was deleted (redeliver.lua)."""
         count = self._redeliver(keys=[d.stream], args=self._common_args(d.entry_id))
         return None if count is None else int(count)
+
+    def requeue(self, d: Delivery) -> str | None:
+        """Put a held job this worker cannot start back at the tail of its band, for any
+        worker (requeue.lua). Returns the new entry id, or None with nothing written when
+        the entry is no longer this worker's or the job's."""
+        assert d.job_id is not None, "requeue() needs the entry's job id"
+        script_keys = [d.stream, self.keys.job(d.job_id), *self._tenant_keys(d)]
+        again = self._requeue(keys=script_keys, args=[*self._common_args(d.entry_id), d.job_id])
+        return _str(again) if again else None
 
     # --- terminal writes ----------------------------------------------------
     def dead_letter(

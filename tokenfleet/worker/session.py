@@ -29,6 +29,7 @@ from tokenfleet.protocol import (
     Usage,
 )
 from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.grammar import grammar_failed, unmet
 from tokenfleet.worker.runner import ResolvedSampling
 from tokenfleet.worker.scheduler import Sequence
 from tokenfleet.worker.stops import StopStrings
@@ -96,6 +97,18 @@ class Session:
     # structured output: the job's grammar state (an llguidance LLMatcher), fed every
     # emitted token; None for a job without one
     matcher: Any = None
+    # why a structured job ended `rejected` mid-way: its output does not satisfy its
+    # grammar (grammar.unmet); None otherwise
+    end_error: ErrorInfo | None = None
+    # prefix caching: which jobs may share this one's cached blocks (tenants.cache_scope:
+    # its tenant's, or the cache group its tenant was given)
+    cache_scope: str = ""
+    # priority bands on the worker (bands.py): when it began to wait here (arrival or
+    # preemption), how often it was put back, and the emitted count before which it must
+    # not be put back again (None: it may be)
+    waiting_since: float = 0.0
+    preemptions: int = 0
+    protect_until: int | None = None
     _stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,16 +127,16 @@ class Session:
 
         A stop token id (or end-of-sequence, unless `ignore_eos`) ends the job as
         `stop` and is not part of the output; a completed stop string ends it as
-        `stop` with the text cut just before the stop string.
+        `stop` with the text cut just before the stop string. A structured job ends
+        `stop` only when its output satisfies its grammar, else `rejected` (`end_error`).
         """
         if token_id in self.stop_ids:
-            return None, FinishReason.STOP
+            return None, self._stop(f"stop token {token_id}", cut=False)
         grammar_done = False
         if self.matcher is not None:
             if not self.matcher.consume_token(token_id):
-                raise ValueError(
-                    f"token {token_id} breaks the job's grammar: {self.matcher.get_error()}"
-                )
+                self.end_error = grammar_failed(self.matcher)
+                return None, FinishReason.REJECTED
             grammar_done = self.matcher.is_stopped()  # nothing but end-of-sequence may follow
         index = len(self.emitted)
         delta = self.detok.feed(token_id) if self.detok is not None else ""
@@ -138,7 +151,18 @@ class Session:
         event = TokenEvent(job_id=self.job_id, index=index, token_id=token_id, text=text)
         self.emitted.append(token_id)  # both or neither, should the text handling raise
         self.events.append(event)
+        if reason is FinishReason.STOP and self.matcher is not None:
+            reason = self._stop("a stop string" if stopped else "the grammar's end", cut=stopped)
         return event, reason
+
+    def _stop(self, why: str, *, cut: bool) -> FinishReason:
+        """`stop`, unless the job's output does not satisfy its grammar: `rejected`, with
+        `end_error` saying why. `cut`: a stop string cut the text short of the tokens."""
+        if self.matcher is None or self.request.structured is None:
+            return FinishReason.STOP
+        text = "".join(e.text for e in self.events) if cut else None
+        self.end_error = unmet(self.matcher, self.request.structured, why, text)
+        return FinishReason.STOP if self.end_error is None else FinishReason.REJECTED
 
     def _trailing_text(self) -> str:
         """Text held back (partial characters, possible stop-string prefixes) at the end."""
@@ -162,6 +186,8 @@ class Session:
             completion_tokens=len(self.emitted),
             cached_tokens=cached,
         )
+        if error is None and reason is FinishReason.REJECTED:
+            error = self.end_error
         return terminal(
             self.job_id,
             reason,

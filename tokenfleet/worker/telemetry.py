@@ -64,6 +64,7 @@ class EngineStats:
         self.finished: Counter[str] = Counter()
         self.lost = 0  # jobs dropped because another worker owns them now
         self.preempted = 0  # sessions put back to wait for a job of a higher band
+        self.returned = 0  # jobs not started here in time, given back to their stream
         self.step_s = 0.0  # seconds inside Engine.step (every call, idle ones included)
         self.runner_s = 0.0  # seconds inside ModelRunner.execute (forward + sampling)
 
@@ -101,6 +102,9 @@ class EngineStats:
 
     def record_preemption(self) -> None:
         self.preempted += 1
+
+    def record_returned(self) -> None:
+        self.returned += 1
 
     def rates(self) -> tuple[float, float]:
         """(prefill, decode) tokens per second of wall time over the recent window.
@@ -165,6 +169,7 @@ class EngineStats:
             "finished_by_reason": dict(self.finished),
             "lost_total": self.lost,
             "preempted_total": self.preempted,
+            "returned_total": self.returned,
         }
 
     def _prune(self, now: float) -> None:
