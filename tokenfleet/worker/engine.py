@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
+from tokenfleet.keys import BANDS
 from tokenfleet.kv.prefix import cache_scope, chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
@@ -274,7 +275,7 @@ class Engine:
     def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
         tokens = self._execute(plan)  # session id -> sampled token
         now = self.clock()
-        generated = [0] * len(self.bands.shares.credit)  # sampled tokens per band
+        generated = [0] * len(BANDS)  # sampled tokens per band
         for sid, token in tokens.items():
             session = self.sessions[sid]
             generated[band_of(session)] += 1

@@ -410,9 +410,9 @@ class Worker:
 
     def _submit(self, delivery: Delivery, request: GenerationRequest, accepted: Accepted) -> None:
         job_id = request.job_id
-        # a claimed job, or one another worker gave back, resumes after its published tokens
-        again = delivery.deliveries > 1 or accepted.emitted > 0
-        resume = self.queue.emitted_tokens(job_id) if again else []
+        # A claimed job, or one another worker gave back, resumes after its published
+        # tokens: the job hash's count of them (accept.lua) says whether there are any.
+        resume = self.queue.emitted_tokens(job_id) if accepted.emitted > 0 else []
         submitted_at = accepted.submitted_at
         if submitted_at is None:  # a state hash without it: the entry id's time
             submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0

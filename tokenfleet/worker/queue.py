@@ -228,7 +228,8 @@ class WorkerQueue:
 
         After a lost connection a read reply may have been lost in transit: its
         entries are pending to this worker but were never seen. Deliveries are
-        reported as 2 so the caller resumes from any tokens already emitted."""
+        reported as 2 (a read that was delivered once already); accept.lua's `emitted` says
+        whether the caller resumes after tokens already published."""
         if count <= 0:
             return []
         try:
