@@ -1,17 +1,21 @@
-"""Shared by the bench scripts: model configs, workloads, timing, and the transformers
-baselines that tokenfleet is measured against on identical weights (machine facts and
-report output: report.py)."""
+"""Shared by the bench scripts: model configs and the seeded random checkpoints built from
+them, the workloads (jobs, the requests made of them, the text the quality runs cut
+from), and `Stream`, one request's timeline as its client saw it. Imports neither torch
+nor transformers until a checkpoint is built (transformers baselines: _hf.py; machine
+facts and report output: report.py)."""
 
 from __future__ import annotations
 
-import queue
+import math
 import random
-import time
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from report import pct
+
+from tokenfleet.protocol import GenerationRequest
 
 # Hugging Face LlamaConfig kwargs. max_position_embeddings only has to cover prompt + new.
 MODEL_CONFIGS: dict[str, dict[str, Any]] = {
@@ -31,21 +35,33 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {
         intermediate_size=2048,
         vocab_size=32000,
     ),
+    # SmolLM2-135M's shape (its config.json), so timings need no 94 MiB file
+    "smollm2-shape": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+    ),
 }
 
 
-def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Any:
+def build_checkpoint(name: str, folder: Path, seed: int = 0, max_positions: int = 512) -> Any:
     """A seeded random LlamaForCausalLM saved to `folder`; returns the model (fp32, eval).
 
-    No EOS and no tied head, so every generated length is exactly what was asked for.
+    No EOS and (unless the config ties it) no tied head, so every generated length is
+    exactly what was asked for.
     """
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        **MODEL_CONFIGS[name],
-        max_position_embeddings=512,
+        **{"tie_word_embeddings": False, **MODEL_CONFIGS[name]},
+        max_position_embeddings=max_positions,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=None,
         pad_token_id=0,
@@ -58,7 +74,7 @@ def build_checkpoint(name: str, folder: Path, seed: int = 0) -> Any:
     return model
 
 
-def num_params(model: torch.nn.Module) -> int:
+def num_params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
@@ -69,6 +85,11 @@ def num_params(model: torch.nn.Module) -> int:
 class Job:
     prompt_ids: list[int]
     max_new: int
+
+
+# The engine benchmark's mixed workload (bench/engine.py), which e2e.py, ab_engine.py,
+# structured.py and vs_llamacpp.py run too: jobs, prompt lengths, max_new_tokens.
+MIXED_N, MIXED_PROMPT, MIXED_NEW = 16, (8, 64), (16, 96)
 
 
 def uniform_jobs(n: int, prompt_len: int, new: int, vocab: int, seed: int = 1) -> list[Job]:
@@ -90,66 +111,85 @@ def mixed_jobs(
     return jobs
 
 
-# ---- transformers baselines -------------------------------------------------------------
+def mixed_workload(vocab: int) -> list[Job]:
+    """The engine benchmark's mixed workload (MIXED_*, seed 2) for a vocabulary."""
+    return mixed_jobs(MIXED_N, MIXED_PROMPT, MIXED_NEW, vocab)
 
 
-def hf_generate(model: Any, jobs: list[Job]) -> list[list[int]]:
-    """ONE `generate` call over `jobs` as a left-padded static batch, every row running
-    to the longest max_new (the shorter rows' extra tokens are wasted work)."""
-    longest = max(len(j.prompt_ids) for j in jobs)
-    ids = torch.zeros(len(jobs), longest, dtype=torch.long)  # pad id 0, on the left
-    mask = torch.zeros(len(jobs), longest, dtype=torch.long)
-    for i, job in enumerate(jobs):
-        ids[i, longest - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
-        mask[i, longest - len(job.prompt_ids) :] = 1
-    new = max(j.max_new for j in jobs)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
+def requests(jobs: Sequence[Job], tag: str = "j", **fields: Any) -> list[GenerationRequest]:
+    """One request per job, ids TAG-i, eos ignored: each makes exactly its max_new tokens."""
+    return [
+        GenerationRequest(
+            job_id=f"{tag}-{i}",
+            prompt_ids=j.prompt_ids,
+            max_new_tokens=j.max_new,
+            ignore_eos=True,
+            **fields,
         )
-    return [out[i, longest : longest + j.max_new].tolist() for i, j in enumerate(jobs)]
+        for i, j in enumerate(jobs)
+    ]
 
 
-def hf_one_by_one(model: Any, jobs: list[Job]) -> list[list[int]]:
-    return [hf_generate(model, [job])[0] for job in jobs]
+def random_request(
+    job_id: str, prompt_len: int, new: int, rng: random.Random, **fields: Any
+) -> GenerationRequest:
+    """A request of `prompt_len` random ordinary-text token ids (1000..19999 of the SmolLM2
+    vocabulary), eos ignored; `fields`: priority, tenant ..."""
+    return GenerationRequest(
+        job_id=job_id,
+        prompt_ids=[rng.randrange(1000, 20000) for _ in range(prompt_len)],
+        max_new_tokens=new,
+        ignore_eos=True,
+        **fields,
+    )
 
 
-class HFContinuous:
-    """transformers' own continuous batching manager, started once and reused."""
+# The text both quality benchmarks cut token ids from; its header ends with HEADER_END.
+TEXT = Path(__file__).resolve().parent / "data" / "declaration_gettysburg.txt"
+HEADER_END = "# ----\n"
 
-    def __init__(self, model: Any, max_new: int) -> None:
-        from transformers import GenerationConfig
 
-        config = GenerationConfig(
-            max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=0
-        )
-        self.manager = model.init_continuous_batching(generation_config=config)
-        self.manager.warmup()
-        self.manager.start()
+def text_body() -> str:
+    """TEXT without its header."""
+    return TEXT.read_text().split(HEADER_END, 1)[-1]
 
-    def run(self, jobs: list[Job], timeout_s: float = 600.0) -> list[list[int]]:
-        ids = [self.manager.add_request(j.prompt_ids, max_new_tokens=j.max_new) for j in jobs]
-        done: dict[str, list[int]] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(done) < len(ids):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"continuous batching finished {len(done)}/{len(ids)}")
-            try:
-                result = self.manager.get_result(timeout=1.0)
-            except queue.Empty:
-                continue
-            if result is None or not result.is_finished():
-                continue
-            if result.error:
-                raise RuntimeError(f"continuous batching request failed: {result.error}")
-            done[result.request_id] = list(result.generated_tokens)
-        return [done[i] for i in ids]
 
-    def close(self) -> None:
-        self.manager.stop(block=True, timeout=10)
+# ---- what came back ---------------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """One request's timeline at its client (perf_counter seconds, or seconds since a
+    burst's t0) and what came back."""
+
+    submitted: float = 0.0
+    first: float = math.nan  # first token
+    last: float = math.nan  # last token
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = -1  # the prompt's length (a server: what it says it evaluated)
+    cached_tokens: int | None = None  # prompt tokens the system took from its cache
+    stop_type: str = ""
+    eog: list[int] = field(default_factory=list)  # llama-server: tokens ignore_eos masked
+
+    def add(self, tokens: Iterable[int], now: float) -> None:
+        """Tokens that arrived at `now`."""
+        got = list(tokens)
+        if got and not self.tokens:
+            self.first = now
+        if got:
+            self.last = now
+        self.tokens += got
+
+
+def burst_metrics(streams: Sequence[Stream]) -> dict[str, float]:
+    """Generated tokens / wall time (first submit to last token) and TTFT (each submit to
+    its first token) of requests sent together."""
+    t0 = min(s.submitted for s in streams)
+    wall = max(s.last for s in streams) - t0
+    ttft = [s.first - s.submitted for s in streams]
+    return {
+        "tok_s": sum(len(s.tokens) for s in streams) / wall,
+        "wall_s": wall,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+    }

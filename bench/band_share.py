@@ -18,75 +18,73 @@ on workers imported from another checkout (its own prefix), rounds alternating.
 
 from __future__ import annotations
 
-import argparse
 import random
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import redis
+from _common import random_request
+from _fleet import Fleet
+from _rounds import abba, wait_until
 from report import (
+    Run,
+    figure,
     load_now,
-    machine_info,
-    mark_end,
-    markdown_table,
-    pyplot,
-    save_figure,
-    spread,
-    write_report,
-    wrote,
+    markdown_text,
+    outputs,
+    parser,
+    spread_cell,
+    spreads,
 )
 
-from tokenfleet.local import EmbeddedRedis, LocalWorkers
-from tokenfleet.producer import Producer
-from tokenfleet.protocol import GenerationRequest
+from tokenfleet.local import LocalWorkers
 
 BATCH = 10
 BATCH_NEW = 256
 INTERACTIVE_NEW = 16
 DEPTH = 20
-
-
-def job(job_id: str, priority: str, prompt: int, new: int, rng: random.Random) -> GenerationRequest:
-    return GenerationRequest(
-        job_id=job_id,
-        prompt_ids=[rng.randrange(1000, 20000) for _ in range(prompt)],
-        max_new_tokens=new,
-        ignore_eos=True,
-        priority=priority,  # type: ignore[arg-type]
-    )
+COLUMNS = {  # summary field: its column in the table
+    "batch_progressed": "batch jobs progressed /10",
+    "batch_finished": "finished",
+    "batch_frozen_last_10s": "frozen (last 10 s)",
+    "batch_share": "batch share of tokens",
+    "interactive_finished_per_s": "interactive done /s",
+}
 
 
 def one_round(
-    url: str, workers: LocalWorkers, tag: str, seconds: float, seed: int
+    fleet: Fleet, workers: LocalWorkers, tag: str, seconds: float, seed: int
 ) -> dict[str, Any]:
     keys = workers.keys
-    client = redis.Redis.from_url(url)
-    producer = Producer(client, keys=keys, default_cap=10_000)
+    producer = fleet.producer(workers)
+    client = producer.redis
     rng = random.Random(seed)
     stop = threading.Event()
     interactive = keys.jobs(None, "interactive")
     fed: list[str] = []
 
     def feed() -> None:
-        feeder = Producer(redis.Redis.from_url(url), keys=keys, default_cap=10_000)
+        feeder = fleet.producer(workers)
         frng = random.Random(seed + 1000)
         while not stop.is_set():
             if client.xlen(interactive) < DEPTH + 4:
                 job_id = f"{tag}-int-{len(fed)}"
-                feeder.submit(job(job_id, "interactive", 32, INTERACTIVE_NEW, frng))
+                feeder.submit(
+                    random_request(job_id, 32, INTERACTIVE_NEW, frng, priority="interactive")
+                )
                 fed.append(job_id)
             else:
                 stop.wait(0.01)
 
     thread = threading.Thread(target=feed, daemon=True)
     thread.start()
-    while client.xlen(interactive) < DEPTH:
-        time.sleep(0.01)
+    if not wait_until(lambda: client.xlen(interactive) >= DEPTH, 300):
+        raise TimeoutError("the feeder did not fill the interactive band")
     batch = [f"{tag}-batch-{i}" for i in range(BATCH)]
     for job_id in batch:
-        producer.submit(job(job_id, "batch", 48, BATCH_NEW, rng))
+        producer.submit(random_request(job_id, 48, BATCH_NEW, rng, priority="batch"))
     started = time.perf_counter()
     emitted_at: dict[str, list[int]] = {j: [] for j in batch}
     while time.perf_counter() - started < seconds:
@@ -105,13 +103,9 @@ def one_round(
         int_tokens += int(state[1] or 0)
         finished_int += state[0] == b"finished"
     # drain what is left so the next round starts on an empty fleet
-    for j in batch:
-        producer.handle(j).cancel()
-    for job_id in fed:
+    for job_id in [*batch, *fed]:
         producer.handle(job_id).cancel()
-    deadline = time.monotonic() + 120
-    while any(client.xlen(s) for s in keys.bands(None)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not any(client.xlen(b.stream) for b in keys.bands(None)), 120, every_s=0.2)
     progressed = sum(1 for j in batch if emitted_at[j][-1] > 0)
     frozen = sum(
         1 for j in batch if len(set(emitted_at[j][-10:])) == 1 and emitted_at[j][-1] < BATCH_NEW
@@ -132,43 +126,41 @@ def one_round(
     }
 
 
+def plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    with figure(path, figsize=(5.5, 3.5)) as ax:
+        for i, rs in enumerate(runs.values()):
+            shares = [x["batch_share"] for x in rs]
+            ax.scatter([i] * len(shares), shares, s=20)
+        ax.axhline(1 / 16, color="#999", linestyle="--", label="--band-share 1/16")
+        ax.set_xticks(list(range(len(runs))), list(runs))
+        ax.set_ylabel("batch band's share of generated tokens")
+        ax.set_title("10 batch jobs beside an endless interactive flood")
+        ax.legend()
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
-    parser.add_argument("--out", default="bench/out/band_share.json")
-    parser.add_argument("--plot", default="docs/img/band_share.png")
-    args = parser.parse_args()
-    machine = machine_info()
-    t0 = time.perf_counter()
-    embedded = EmbeddedRedis.start()
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    outputs(p, "band_share")
+    args = p.parse_args()
+    run = Run()
     log_dir = Path(args.out).parent / "band-share-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = ["--model", args.model, "--threads", "1", "--max-active", "4"]
-    fleets = {"this tree": LocalWorkers(embedded.url, "bench-bands:", worker_args, log_dir=log_dir)}
-    if args.baseline is not None:
-        tree = args.baseline.resolve()
-        fleets["baseline"] = LocalWorkers(
-            embedded.url,
-            "bench-bands-base:",
-            worker_args,
-            log_dir=log_dir,
-            env={"PYTHONPATH": str(tree)},
-            cwd=tree,
-        )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in fleets}
-    try:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with Fleet() as fleet:
+        fleets = fleet.sides("bench-bands:", worker_args, args.baseline, log_dir)
+        runs = {name: [] for name in fleets}
         for r in range(args.rounds):
-            order = list(fleets) if r % 2 == 0 else list(fleets)[::-1]
-            for name in order:
-                fleet = fleets[name]  # started per round: an idle pair would share the cores
-                names = [fleet.start_one(f"{name.replace(' ', '-')}-r{r}-w{i}") for i in (1, 2)]
-                fleet.wait_live(names)
-                got = one_round(embedded.url, fleet, f"r{r}", args.seconds, seed=r)
-                fleet.drain()
-                fleet.procs.clear()
+            for name in abba(list(fleets), r):
+                workers = fleets[name]  # started per round: an idle pair would share the cores
+                names = [workers.start_one(f"{name.replace(' ', '-')}-r{r}-w{i}") for i in (1, 2)]
+                workers.wait_live(names)
+                got = one_round(fleet, workers, f"r{r}", args.seconds, seed=r)
+                workers.drain()
+                workers.procs.clear()
                 runs[name].append(got)
                 print(
                     f"round {r} {name:9s} batch progressed {got['batch_progressed']}/{BATCH} "
@@ -178,54 +170,17 @@ def main() -> None:
                     f"load {got['load']['loadavg'][0]:.2f}",
                     flush=True,
                 )
-    finally:
-        for fleet in fleets.values():
-            fleet.drain()
-        embedded.stop()
-    fields = (
-        "batch_progressed",
-        "batch_finished",
-        "batch_frozen_last_10s",
-        "batch_share",
-        "interactive_finished_per_s",
+    summary = {name: spreads(rs, COLUMNS) for name, rs in runs.items()}
+    rows = [[name] + [spread_cell(s[f]) for f in COLUMNS] for name, s in summary.items()]
+    text = markdown_text(["workers", *COLUMNS.values()], rows)
+    report = run.report(
+        model=args.model,
+        seconds=args.seconds,
+        baseline=None if args.baseline is None else str(args.baseline),
+        runs=runs,
+        summary=summary,
     )
-    summary = {name: {f: spread([x[f] for x in rs]) for f in fields} for name, rs in runs.items()}
-    rows = [
-        [name] + [f"{s[f]['median']:.3g} ({s[f]['min']:.3g}–{s[f]['max']:.3g})" for f in fields]
-        for name, s in summary.items()
-    ]
-    headers = [
-        "workers",
-        "batch jobs progressed /10",
-        "finished",
-        "frozen (last 10 s)",
-        "batch share of tokens",
-        "interactive done /s",
-    ]
-    text = "\n".join(markdown_table(headers, rows)) + "\n"
-    print(text)
-    report = {
-        "machine": mark_end(machine),
-        "model": args.model,
-        "seconds": args.seconds,
-        "baseline": None if args.baseline is None else str(args.baseline),
-        "runs": runs,
-        "summary": summary,
-        "wall_s": time.perf_counter() - t0,
-    }
-    out = write_report(Path(args.out), report, text)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for i, rs in enumerate(runs.values()):
-        shares = [x["batch_share"] for x in rs]
-        ax.scatter([i] * len(shares), shares, s=20)
-    ax.axhline(1 / 16, color="#999", linestyle="--", label="--band-share 1/16")
-    ax.set_xticks(list(range(len(runs))), list(runs))
-    ax.set_ylabel("batch band's share of generated tokens")
-    ax.set_title("10 batch jobs beside an endless interactive flood")
-    ax.legend()
-    save_figure(fig, Path(args.plot))
-    print(wrote(out, args.plot, report["wall_s"]))
+    run.finish(args, report, text, partial(plot, runs), table=text)
 
 
 if __name__ == "__main__":

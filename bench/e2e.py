@@ -6,8 +6,8 @@ Usage: python bench/e2e.py [--configs tiny,small] [--workers 1,2,4] [--threads 2
                            [--tree new=. --tree old=/tmp/old | --trees new=.,old=/tmp/old]
                            [--quick] [--out bench/out/e2e.json] [--plot docs/img/e2e.png]
 
-Per config: one checkpoint (bench/_common.py's `build_checkpoint`), one embedded
-redis-server, and blocks of k worker processes × t torch threads each: one block per
+Per config: one checkpoint (bench/_common.py's `build_checkpoint`), one redis-server
+of its own, and blocks of k worker processes × t torch threads each: one block per
 `--threads` value for k = 1 (default: all cores, then 1), one thread each for k > 1.
 Per code tree (default: this checkout), a block runs k plain `tokenfleet worker`
 processes of that tree (PYTHONPATH and cwd = the tree, a key prefix of its own) and
@@ -36,45 +36,43 @@ Prints a table, writes JSON (and a PNG). `--quick`: one round per block, for dev
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import redis
-from _common import Job, build_checkpoint, mixed_jobs, num_params
-from e2e_inprocess import BURST_AFTER, LONG, EngineProcess, Trace, Tree
+from _common import Job, build_checkpoint, mixed_workload, num_params, requests
+from _engine import MiB, kv_budget_bytes, kv_bytes_per_token
+from _fleet import Fleet, follow
+from _rounds import abba, median_seconds, rotated
+from _trees import Tree, parse_trees
+from e2e_inprocess import BURST_AFTER, LONG, EngineProcess, Trace
 from e2e_report import markdown, plot, table
-from engine import Settings as EngineSettings
 from report import (
+    Run,
     load_now,
-    machine_info,
-    mark_end,
+    loadavg,
     mean_or_none,
+    outputs,
+    parser,
     pct,
-    progress,
     write_report,
-    wrote,
 )
 
-from tokenfleet.keys import Keys
-from tokenfleet.local import EmbeddedRedis, LocalWorkers, cpu_seconds
+from tokenfleet.keys import EVENTS_MAXLEN, EVENTS_TTL_S, Keys
+from tokenfleet.local import LocalWorkers, cpu_seconds
 from tokenfleet.producer import Producer
-from tokenfleet.protocol import GenerationRequest, TokenEvent
-from tokenfleet.worker.publish import queue_event
+from tokenfleet.protocol import GenerationRequest, TokenEvent, encode
 
-MiB = 1024 * 1024
 TIMEOUT_S = 300.0
-BENCH = Path(__file__).resolve().parent
 EXTRA_WORKER_ARGS: list[str] = []  # --worker-args: more `tokenfleet worker` flags (A/B runs)
 
 
@@ -108,27 +106,16 @@ class NodeFlags:
 
 
 def node_flags(config: Any, jobs: list[Job], workers: int, threads: int) -> NodeFlags:
-    """bench/engine.py's `new_engine` budget for a batch of all the jobs (rounded up to
-    whole MiB for the CLI); k workers share the sessions. `config`: the checkpoint's
-    LlamaConfig."""
+    """bench/_engine.py's budget for a batch of all the jobs (rounded up to whole MiB for
+    the CLI); k workers share the sessions. `config`: the checkpoint's LlamaConfig."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = config.num_key_value_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * 4  # fp32 K and V
-    longest = max(len(j.prompt_ids) + j.max_new for j in jobs) + 16
-    kv_mb = math.ceil(max(16 * MiB, 2 * per_token * longest * len(jobs)) / MiB)
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    per_token = kv_bytes_per_token(layers, kv_heads, head_dim, 4)  # fp32
+    kv_mb = math.ceil(kv_budget_bytes(per_token, jobs, len(jobs)) / MiB)
     if workers == 1:
         return NodeFlags(kv_mb, len(jobs), len(jobs), len(jobs), threads)
     share = math.ceil(len(jobs) / workers)
     return NodeFlags(kv_mb, share, share, 0, threads)
-
-
-def requests(jobs: list[Job], tag: str) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(
-            job_id=f"{tag}-{i}", prompt_ids=j.prompt_ids, max_new_tokens=j.max_new, ignore_eos=True
-        )
-        for i, j in enumerate(jobs)
-    ]
 
 
 def scenario(jobs: list[Job], tag: str, burst: bool) -> list[list[GenerationRequest]]:
@@ -143,43 +130,10 @@ def scenario(jobs: list[Job], tag: str, burst: bool) -> list[list[GenerationRequ
 # ---- through Redis ------------------------------------------------------------------
 
 
-class Follower(threading.Thread):
-    """Follows one job with `JobHandle.stream()`, timing every token as it arrives."""
-
-    def __init__(self, producer: Producer, job_id: str) -> None:
-        super().__init__(daemon=True)
-        self.handle = producer.handle(job_id)
-        self.arrivals: list[float] = []
-        self.tokens: list[int] = []
-        self.finished_at = 0.0
-        self.reached = threading.Event()  # BURST_AFTER tokens seen (or the job ended)
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for event in self.handle.stream(timeout=TIMEOUT_S):
-                self.arrivals.append(time.perf_counter())
-                self.tokens.append(event.token_id)
-                if len(self.tokens) == BURST_AFTER:
-                    self.reached.set()
-            self.finished_at = time.perf_counter()
-        except BaseException as exc:  # reported by the main thread
-            self.error = exc
-        finally:
-            self.reached.set()
-
-
 def run_redis(producer: Producer, groups: list[list[GenerationRequest]]) -> Trace:
     trace = Trace([[r.job_id for r in g] for g in groups])
-    followers = {r.job_id: Follower(producer, r.job_id) for g in groups for r in g}
-    for f in followers.values():
-        f.start()
-    channels = [producer.keys.channel(j) for j in followers]
-    deadline = time.monotonic() + 30
-    while not all(n >= 1 for _, n in producer.redis.pubsub_numsub(*channels)):
-        if time.monotonic() > deadline:
-            raise TimeoutError("followers did not subscribe")
-        time.sleep(0.005)
+    ids = [r.job_id for g in groups for r in g]
+    followers = follow(producer, ids, TIMEOUT_S, notify_after=BURST_AFTER)
     for i, g in enumerate(groups):
         if i > 0:
             for j in trace.groups[0]:
@@ -191,10 +145,8 @@ def run_redis(producer: Producer, groups: list[list[GenerationRequest]]) -> Trac
             assert outcome.accepted and not outcome.duplicate, outcome
             trace.submitted[r.job_id] = now
     for j, f in followers.items():
-        f.join(TIMEOUT_S)
-        finish = f.handle.finish
-        if f.error is not None or f.is_alive() or finish is None:
-            raise RuntimeError(f"job {j} did not finish: {f.error!r}")
+        finish = f.result().handle.finish
+        assert finish is not None
         trace.arrivals[j], trace.tokens[j] = f.arrivals, f.tokens
         trace.finished_at[j] = f.finished_at
         trace.queued[j], trace.worker[j] = finish.timings.queued_s, finish.worker
@@ -203,26 +155,29 @@ def run_redis(producer: Producer, groups: list[list[GenerationRequest]]) -> Trac
 
 def redis_costs(url: str, batch: int, reps: int = 200) -> dict[str, float]:
     """What the worker loop's Redis calls cost from one Python process here (median ms):
-    a tick's token events in one pipeline (XADD + EXPIRE + PUBLISH each), the per-tick
-    cancel check (MGET of the running jobs) and a non-blocking XREADGROUP."""
+    a tick's token events in one pipeline (XADD + EXPIRE + PUBLISH each: tick.lua's
+    appends without its fence), the per-tick cancel check (MGET of the running jobs)
+    and a non-blocking XREADGROUP."""
     client = redis.Redis.from_url(url)
     keys = Keys("bench-e2e-cost:")
     ids = [f"cost-{i}" for i in range(batch)]
     client.xgroup_create(keys.jobs(), "g", id="0", mkstream=True)
 
-    def median_ms(fn: Callable[[], object]) -> float:
-        samples = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return 1000 * statistics.median(samples)
-
     def publish(n: int) -> None:
+        # The unfenced copy of tick.lua's appends: no owner check, no `emitted` in the
+        # job hash, not in a script. Each event to its job's replay stream (its TTL set
+        # by the first event), then on the job's live channel.
         pipe = client.pipeline(transaction=False)
         for i in range(n):
-            queue_event(pipe, keys, TokenEvent(job_id=ids[i], index=i, token_id=17))
+            data = encode(TokenEvent(job_id=ids[i], index=i, token_id=17))
+            pipe.xadd(keys.events(ids[i]), {"m": data}, maxlen=EVENTS_MAXLEN, approximate=True)
+            if i == 0:
+                pipe.expire(keys.events(ids[i]), EVENTS_TTL_S)
+            pipe.publish(keys.channel(ids[i]), data)
         pipe.execute()
+
+    def median_ms(fn: Any) -> float:
+        return 1000 * median_seconds(fn, reps)
 
     out = {
         "publish_1_event_ms": median_ms(lambda: publish(1)),
@@ -335,17 +290,17 @@ def bench_workers(
     name: str,
     k: int,
     threads: int,
-    server: EmbeddedRedis,
+    fleet: Fleet,
     model_dir: str,
     config: Any,
     jobs: list[Job],
     rounds: int,
     engines: dict[str, EngineProcess],
-    log: Callable[[str], None],
+    run: Run,
 ) -> dict[str, Any]:
     base = node_flags(config, jobs, 1, threads)  # the in-process engine: a 1-worker node
     flags = node_flags(config, jobs, k, threads)
-    assert server.pid is not None
+    assert fleet.redis.pid is not None
     load_at_start = load_now()
     logs = tempfile.TemporaryDirectory(prefix="tokenfleet-e2e-")
     sides: list[Side] = []
@@ -353,16 +308,10 @@ def bench_workers(
         for tree_name, engine in engines.items():  # each tree: k workers of its own code
             prefix = f"bench-e2e-{name}-{k}x{threads}-{tree_name}:"
             args = ["--model", model_dir, "--device", "cpu", "--dtype", "float32"]
-            workers = LocalWorkers(
-                server.url,
-                prefix,
-                [*args, *flags.cli(), *EXTRA_WORKER_ARGS],
-                log_dir=Path(logs.name),
-                env=engine.tree.env(),
-                cwd=engine.tree.path,
-            )
-            producer = Producer(redis.Redis.from_url(server.url), keys=Keys(prefix))
-            sides.append(Side(engine.tree, workers, producer, engine, server.pid))
+            args += [*flags.cli(), *EXTRA_WORKER_ARGS]
+            workers = fleet.workers(prefix, args, engine.tree, Path(logs.name))
+            producer = fleet.producer(workers)
+            sides.append(Side(engine.tree, workers, producer, engine, fleet.redis.pid))
             workers.start(k, name_prefix=f"e2e-{tree_name}")
         for side in sides:
             side.workers.wait_live()
@@ -379,14 +328,12 @@ def bench_workers(
             for burst in (False, True):
                 kind = "burst" if burst else "all"
                 tag = f"r{i}-{kind}"
-                order = ("inproc", "redis") if i % 2 == 0 else ("redis", "inproc")
-                turn = i % len(sides)  # trees take turns going first, so drift hits each
-                for side in sides[turn:] + sides[:turn]:
-                    for mode in order:
+                for side in rotated(sides, i):  # trees take turns going first
+                    for mode in abba(("inproc", "redis"), i):
                         side.measure(mode, kind, scenario(jobs, tag, burst), base)
             for side in sides:
                 a, b = side.inproc["all"][-1], side.through["all"][-1]
-                log(
+                run.log(
                     f"  {name} {k}x{threads} {side.tree.name} round {i}: in process "
                     f"{a.useful_tokens / a.wall_s:.0f} tok/s, "
                     f"through Redis {b.useful_tokens / b.wall_s:.0f} tok/s "
@@ -394,7 +341,7 @@ def bench_workers(
                 )
     except BaseException:
         for side in sides:
-            log(f"{side.tree.name} worker logs: {side.workers.log_tail()}")
+            run.log(f"{side.tree.name} worker logs: {side.workers.log_tail()}")
         raise
     finally:
         for side in sides:
@@ -475,34 +422,29 @@ def round_stats(
     }
 
 
-def bench_config(
-    name: str, s: Settings, trees: list[Tree], log: Callable[[str], None]
-) -> dict[str, Any]:
+def bench_config(name: str, s: Settings, trees: list[Tree], run: Run) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         hf = build_checkpoint(name, Path(folder))
         params, config = num_params(hf), hf.config
         del hf
-        w = EngineSettings.full()  # the engine benchmark's mixed workload, unchanged
-        jobs = mixed_jobs(w.mixed_n, w.mixed_prompt, w.mixed_new, config.vocab_size)
-        server = EmbeddedRedis.start()
-        assert server.kind == "redis-server", "install redis-server: fakeredis is not comparable"
+        jobs = mixed_workload(config.vocab_size)  # the engine benchmark's, unchanged
         engines: dict[str, EngineProcess] = {}
-        try:
-            for tree in trees:
-                engines[tree.name] = EngineProcess(
-                    tree, folder, Path(folder) / f"engine-{tree.name}.log"
-                )
-            costs = redis_costs(server.url, len(jobs))
-            blocks = {
-                f"{k}x{t}": bench_workers(
-                    name, k, t, server, folder, config, jobs, s.rounds[name], engines, log
-                )
-                for k, t in s.blocks
-            }
-        finally:
-            for engine in engines.values():
-                engine.close()
-            server.stop()
+        with Fleet() as fleet:
+            try:
+                for tree in trees:
+                    engines[tree.name] = EngineProcess(
+                        tree, folder, Path(folder) / f"engine-{tree.name}.log"
+                    )
+                costs = redis_costs(fleet.url, len(jobs))
+                blocks = {
+                    f"{k}x{t}": bench_workers(
+                        name, k, t, fleet, folder, config, jobs, s.rounds[name], engines, run
+                    )
+                    for k, t in s.blocks
+                }
+            finally:
+                for engine in engines.values():
+                    engine.close()
     return {
         "params": params,
         "requests": len(jobs),
@@ -511,46 +453,36 @@ def bench_config(
         "useful_tokens": sum(j.max_new for j in jobs),
         "redis_costs_ms": costs,
         "blocks": blocks,
-        "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_at_end": loadavg(),
     }
 
 
-def parse_trees(args: argparse.Namespace) -> list[Tree]:
-    specs = [*(args.tree or []), *(s for s in (args.trees or "").split(",") if s)]
-    trees = [Tree.parse(spec) for spec in specs] or [Tree("this", BENCH.parent)]
-    names = [t.name for t in trees]
-    if len(set(names)) != len(names):
-        raise SystemExit(f"tree names must differ: {names}")
-    return trees
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="tiny", help="tiny,small (small takes minutes)")
-    parser.add_argument("--workers", default="1,2,4")
+    p = parser(__doc__)
+    p.add_argument("--configs", default="tiny", help="tiny,small (small takes minutes)")
+    p.add_argument("--workers", default="1,2,4")
     cores = os.cpu_count() or 1
-    parser.add_argument(
+    p.add_argument(
         "--threads",
         default=",".join(dict.fromkeys([str(cores), "1"])),
         help="torch threads of the single worker (and of the engine it is compared with), "
         "one block each; k > 1 workers always get 1",
     )
-    parser.add_argument(
+    p.add_argument(
         "--tree",
         action="append",
         metavar="NAME=PATH",
         help="a checkout to measure (repeatable; the first is the reference); default: this one",
     )
-    parser.add_argument("--trees", default="", help="the same, comma-separated: new=.,old=/tmp/old")
-    parser.add_argument("--quick", action="store_true", help="one round per block")
-    parser.add_argument(
+    p.add_argument("--trees", default="", help="the same, comma-separated: new=.,old=/tmp/old")
+    p.add_argument("--quick", action="store_true", help="one round per block")
+    p.add_argument(
         "--worker-args", default="", help="extra `tokenfleet worker` flags, e.g. --no-overlap"
     )
-    parser.add_argument("--out", default="bench/out/e2e.json")
-    parser.add_argument("--plot", default="docs/img/e2e.png")
-    args = parser.parse_args()
+    outputs(p, "e2e")
+    args = p.parse_args()
     EXTRA_WORKER_ARGS.extend(args.worker_args.split())
-    trees = parse_trees(args)
+    trees = parse_trees([*(args.tree or []), *(s for s in args.trees.split(",") if s)])
     # A SIGTERM unwinds like Ctrl-C, so workers, redis-server and temp folders are cleaned up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
@@ -558,29 +490,21 @@ def main() -> None:
         [int(k) for k in args.workers.split(",")], [int(t) for t in args.threads.split(",")]
     )
     settings = Settings.quick(blocks) if args.quick else Settings.full(blocks)
-    machine = machine_info()
-    machine["worker_args"] = EXTRA_WORKER_ARGS
-    machine["trees"] = {tree.name: tree.describe() for tree in trees}
-    started = time.perf_counter()
-    log = progress(started)
+    run = Run()
+    run.machine["worker_args"] = EXTRA_WORKER_ARGS
+    run.machine["trees"] = {tree.name: tree.describe() for tree in trees}
     results: dict[str, Any] = {}
-    out = Path(args.out)
     report: dict[str, Any] = {}
     for name in args.configs.split(","):
-        log(f"{name} ...")
-        results[name] = bench_config(name, settings, trees, lambda msg: print(msg, flush=True))
-        report = {
-            "machine": mark_end(machine),
-            "quick": args.quick,
-            "settings": asdict(settings) | {"long": LONG, "burst_after_tokens": BURST_AFTER},
-            "wall_s": time.perf_counter() - started,
-            "configs": results,
-        }
-        write_report(out, report, markdown(results))  # after each config: a partial run counts
-    print(table(results))
-    if args.plot:
-        plot(results, Path(args.plot))
-    print(wrote(out, args.plot, report["wall_s"]))
+        run.log(f"{name} ...")
+        results[name] = bench_config(name, settings, trees, run)
+        report = run.report(
+            quick=args.quick,
+            settings=asdict(settings) | {"long": LONG, "burst_after_tokens": BURST_AFTER},
+            configs=results,
+        )
+        write_report(Path(args.out), report, markdown(results))  # a partial run counts
+    run.finish(args, report, markdown(results), partial(plot, results), table=table(results))
 
 
 if __name__ == "__main__":

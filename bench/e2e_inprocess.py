@@ -1,6 +1,6 @@
 """bench/e2e.py's in-process side: the engine stepped in a process of its own, once per
-code tree, so an old checkout's engine is measured beside the new one in the same run;
-and `Tree`, a checkout whose tokenfleet the workers and that process import.
+code tree (bench/_trees.py), so an old checkout's engine is measured beside the new one
+in the same run.
 
     PYTHONPATH=TREE python bench/e2e_inprocess.py MODEL_DIR      (cwd: TREE)
 
@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from _trees import Tree
 
 LONG = 4  # sessions in flight when the burst arrives
 BURST_AFTER = 8  # tokens each of them has before the burst is submitted
@@ -149,57 +151,7 @@ def serve(model_dir: str) -> None:
         answers.flush()
 
 
-# ---- in bench/e2e.py: code trees and their engine processes ---------------------------
-
-
-@dataclass(frozen=True)
-class Tree:
-    """A checkout whose tokenfleet the workers and the engine process import."""
-
-    name: str
-    path: Path
-
-    @classmethod
-    def parse(cls, spec: str) -> Tree:
-        """NAME=PATH, or PATH (named after its folder)."""
-        name, _, path = spec.rpartition("=")
-        resolved = Path(path).expanduser().resolve()
-        if not (resolved / "tokenfleet" / "__init__.py").is_file():
-            raise SystemExit(f"--tree {spec}: no tokenfleet package in {resolved}")
-        return cls(name or resolved.name, resolved)
-
-    def env(self) -> dict[str, str]:
-        """PYTHONPATH first on the path (run with cwd = the tree: `python -m` puts the
-        working directory before it)."""
-        rest = os.environ.get("PYTHONPATH")
-        return {"PYTHONPATH": os.pathsep.join([str(self.path), *([rest] if rest else [])])}
-
-    def describe(self) -> dict[str, Any]:
-        """Path, commit and whether the checkout has changes; the tokenfleet its workers
-        import (checked: it must be the tree's own)."""
-        found = subprocess.run(
-            [sys.executable, "-c", "import tokenfleet; print(tokenfleet.__file__)"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=self.path,
-            env={**os.environ, **self.env()},
-        ).stdout.strip()
-        if not Path(found).resolve().is_relative_to(self.path):
-            raise SystemExit(f"tree {self.name}: workers would import {found}, not {self.path}")
-
-        def git(*args: str) -> str:
-            proc = subprocess.run(
-                ["git", "-C", str(self.path), *args], capture_output=True, text=True, check=False
-            )
-            return proc.stdout.strip()
-
-        return {
-            "path": str(self.path),
-            "commit": git("rev-parse", "--short", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "tokenfleet": found,
-        }
+# ---- in bench/e2e.py: the trees' engine processes -------------------------------------
 
 
 class EngineProcess:

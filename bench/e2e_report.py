@@ -1,4 +1,4 @@
-"""bench/e2e.py's output: the tables docs/benchmarks.md shows, the terminal table and
+"""bench/e2e.py's output: the tables docs/benchmarks-history.md shows, the terminal table and
 the plot, from the results bench/e2e.py writes (one entry per block and code tree)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from report import markdown_table, ms, num, pyplot, save_figure, text_table
+from report import figure, markdown_table, ms, num, text_table
 
 
 def labels(b: dict[str, Any], tree: str | None = None) -> tuple[str, str]:
@@ -40,7 +40,8 @@ LATENCIES = (
 
 
 def markdown(results: dict[str, Any]) -> str:
-    """The tables docs/benchmarks.md shows, generated so no number is copied by hand."""
+    """The tables docs/benchmarks-history.md's entries show, generated so no number is
+    copied by hand."""
     lines = []
     for name, res in results.items():
         lines += [
@@ -192,67 +193,71 @@ def table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
     names = list(results)
-    fig, axes = plt.subplots(2, len(names), figsize=(8 * len(names), 8), squeeze=False)
-    for col, name in enumerate(names):
-        blocks = list(results[name]["blocks"].values())
-        trees = list(blocks[0]["trees"])
-        ax = axes[0][col]
-        x = range(len(blocks))
-        width = 0.8 / (2 * len(trees))
-        for t, tree in enumerate(trees):
-            where = f"{tree}, " if len(trees) > 1 else ""
-            offset = -0.4 + width / 2 + 2 * t * width
-            ax.bar(
-                [i + offset for i in x],
-                [b["trees"][tree]["in_process"]["tok_s_best"] for b in blocks],
-                width,
-                label=f"{where}in process",
-                color=f"C{7 - t}",
+    with figure(path, 2, len(names), figsize=(8 * len(names), 8), squeeze=False) as axes:
+        for col, name in enumerate(names):
+            blocks = list(results[name]["blocks"].values())
+            trees = list(blocks[0]["trees"])
+            ax = axes[0][col]
+            x = range(len(blocks))
+            width = 0.8 / (2 * len(trees))
+            for t, tree in enumerate(trees):
+                where = f"{tree}, " if len(trees) > 1 else ""
+                offset = -0.4 + width / 2 + 2 * t * width
+                ax.bar(
+                    [i + offset for i in x],
+                    [b["trees"][tree]["in_process"]["tok_s_best"] for b in blocks],
+                    width,
+                    label=f"{where}in process",
+                    color=f"C{7 - t}",
+                )
+                bars = ax.bar(
+                    [i + offset + width for i in x],
+                    [b["trees"][tree]["through_redis"]["tok_s_best"] for b in blocks],
+                    width,
+                    label=f"{where}through Redis",
+                    color=f"C{t}",
+                )
+                ax.bar_label(
+                    bars,
+                    labels=[f"{b['trees'][tree]['ratio_best']:.2f}×" for b in blocks],
+                    fontsize=8,
+                )
+            ax.set_xticks(
+                list(x), [labels(b)[1].removeprefix("Redis, ") for b in blocks], fontsize=8
             )
-            bars = ax.bar(
-                [i + offset + width for i in x],
-                [b["trees"][tree]["through_redis"]["tok_s_best"] for b in blocks],
-                width,
-                label=f"{where}through Redis",
-                color=f"C{t}",
+            top = max(b["trees"][t]["in_process"]["tok_s_best"] for b in blocks for t in trees)
+            ax.set_ylim(top=1.25 * top)
+            ax.set_ylabel("useful tokens/s (best round)")
+            ax.set_title(f"{name}: mixed workload (bar label: Redis ÷ in process)")
+            ax.legend(fontsize=8, ncol=2, loc="upper center")
+            ax = axes[1][col]
+            keys = [
+                ("ttft_p50_s", "TTFT p50"),
+                ("ttft_p99_s", "TTFT p99"),
+                ("burst_gap_p50_s", "burst gap p50"),
+                ("burst_gap_p99_s", "burst gap p99"),
+            ]
+            series: list[tuple[str, dict[str, Any]]] = []
+            for tree in trees:
+                # each in-process thread count once (its first block), then every Redis block
+                firsts = {
+                    labels(b, tree)[0]: b["trees"][tree]["in_process"] for b in reversed(blocks)
+                }
+                series += list(firsts.items())[::-1]
+                series += [(labels(b, tree)[1], b["trees"][tree]["through_redis"]) for b in blocks]
+            width = 0.8 / len(series)
+            for i, (label, s) in enumerate(series):
+                ax.bar(
+                    [m + i * width for m in range(len(keys))],
+                    [1000 * s[k] for k, _ in keys],
+                    width,
+                    label=label,
+                )
+            ax.set_xticks(
+                [m + width * (len(series) - 1) / 2 for m in range(len(keys))],
+                [label for _, label in keys],
             )
-            ax.bar_label(
-                bars, labels=[f"{b['trees'][tree]['ratio_best']:.2f}×" for b in blocks], fontsize=8
-            )
-        ax.set_xticks(list(x), [labels(b)[1].removeprefix("Redis, ") for b in blocks], fontsize=8)
-        top = max(b["trees"][t]["in_process"]["tok_s_best"] for b in blocks for t in trees)
-        ax.set_ylim(top=1.25 * top)
-        ax.set_ylabel("useful tokens/s (best round)")
-        ax.set_title(f"{name}: mixed workload (bar label: Redis ÷ in process)")
-        ax.legend(fontsize=8, ncol=2, loc="upper center")
-        ax = axes[1][col]
-        keys = [
-            ("ttft_p50_s", "TTFT p50"),
-            ("ttft_p99_s", "TTFT p99"),
-            ("burst_gap_p50_s", "burst gap p50"),
-            ("burst_gap_p99_s", "burst gap p99"),
-        ]
-        series: list[tuple[str, dict[str, Any]]] = []
-        for tree in trees:
-            # each in-process thread count once (its first block), then every Redis block
-            firsts = {labels(b, tree)[0]: b["trees"][tree]["in_process"] for b in reversed(blocks)}
-            series += list(firsts.items())[::-1]
-            series += [(labels(b, tree)[1], b["trees"][tree]["through_redis"]) for b in blocks]
-        width = 0.8 / len(series)
-        for i, (label, s) in enumerate(series):
-            ax.bar(
-                [m + i * width for m in range(len(keys))],
-                [1000 * s[k] for k, _ in keys],
-                width,
-                label=label,
-            )
-        ax.set_xticks(
-            [m + width * (len(series) - 1) / 2 for m in range(len(keys))],
-            [label for _, label in keys],
-        )
-        ax.set_ylabel("ms")
-        ax.set_title(f"{name}: latency (burst gaps: the 4 sessions in flight)")
-        ax.legend(fontsize=7)
-    save_figure(fig, path)
+            ax.set_ylabel("ms")
+            ax.set_title(f"{name}: latency (burst gaps: the 4 sessions in flight)")
+            ax.legend(fontsize=7)

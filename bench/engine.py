@@ -24,7 +24,6 @@ Prints a table, writes JSON (and a PNG). `--quick` shrinks everything for develo
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
@@ -36,23 +35,27 @@ from typing import Any
 
 import torch
 from _common import (
-    HFContinuous,
+    MIXED_N,
+    MIXED_NEW,
+    MIXED_PROMPT,
     Job,
     build_checkpoint,
-    hf_generate,
-    hf_one_by_one,
     mixed_jobs,
     num_params,
+    requests,
     uniform_jobs,
 )
-from report import loadavg, machine_info, mark_end, pyplot, save_figure, write_report, wrote
+from _engine import engine_config, generate, synchronize
+from _hf import HFContinuous, hf_generate, hf_one_by_one, hf_smollm2
+from _rounds import Best, timed
+from engine_report import markdown, plot, table
+from report import Run, loadavg, outputs, parser
 
-from tokenfleet.model import LoadedModel, SeqInput, TorchRunner, load_model
+from tokenfleet.model import LoadedModel, load_model
 from tokenfleet.model.loader import resolve_dtype
-from tokenfleet.protocol import GenerationRequest
-from tokenfleet.worker.engine import Engine, EngineConfig
-
-MiB = 1024 * 1024
+from tokenfleet.model.tick_inputs import SeqInput
+from tokenfleet.model.torch_runner import TorchRunner
+from tokenfleet.worker.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class Settings:
     def full(cls) -> Settings:
         rounds = {"tiny": 7, "small": 3, "smollm2": 3}
         per_request = {"tiny": 7, "small": 1, "smollm2": 1}
-        return cls([1, 2, 4, 8, 16], 32, 64, 16, (8, 64), (16, 96), rounds, per_request)
+        mixed = (MIXED_N, MIXED_PROMPT, MIXED_NEW)
+        return cls([1, 2, 4, 8, 16], 32, 64, *mixed, rounds, per_request)
 
     @classmethod
     def quick(cls) -> Settings:
@@ -95,29 +99,7 @@ class EngineRun:
 def new_engine(
     loaded: LoadedModel, jobs: list[Job], batch: int, runner: TorchRunner | None = None
 ) -> Engine:
-    cfg = loaded.config
-    dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes  # K and V
-    longest = max(len(j.prompt_ids) + j.max_new for j in jobs) + 16  # + one block of slack
-    kv_budget = max(16 * MiB, 2 * per_token * longest * batch)
-    return Engine(
-        runner or TorchRunner(loaded),
-        EngineConfig(
-            kv_budget_bytes=kv_budget,
-            max_batch_size=batch,
-            max_active=batch,
-            max_waiting=len(jobs),
-        ),
-    )
-
-
-def requests(jobs: list[Job]) -> list[GenerationRequest]:
-    return [
-        GenerationRequest(
-            job_id=f"j{i}", prompt_ids=j.prompt_ids, max_new_tokens=j.max_new, ignore_eos=True
-        )
-        for i, j in enumerate(jobs)
-    ]
+    return Engine(runner or TorchRunner(loaded), engine_config(loaded, jobs, batch))
 
 
 def run_engine(
@@ -142,16 +124,8 @@ def run_engine(
         loaded, jobs, batch, TorchRunner(loaded, on_forward=record if capture else None)
     )
     reqs = requests(jobs)
-    out: dict[str, list[int]] = {r.job_id: [] for r in reqs}
-    start = time.perf_counter()
-    for req in reqs:
-        assert engine.submit(req).accepted
-    while engine.has_work:
-        for event in engine.step().tokens:
-            out[event.job_id].append(event.token_id)
-    run.seconds = time.perf_counter() - start
+    run.seconds, run.tokens = timed(partial(generate, engine, reqs))
     telemetry = engine.telemetry()
-    run.tokens = [out[r.job_id] for r in reqs]
     run.ticks = engine.stats.ticks
     run.occupancy_mean = float(telemetry["occupancy_mean"])  # type: ignore[arg-type]
     run.runner_s = float(telemetry["runner_s"])  # type: ignore[arg-type]
@@ -180,14 +154,7 @@ def replay(
 def run_serial(loaded: LoadedModel, jobs: list[Job]) -> list[float]:
     """The jobs one after another at concurrency 1: seconds of each job, submit to finish."""
     engine = new_engine(loaded, jobs, 1)
-    seconds: list[float] = []
-    for req in requests(jobs):
-        start = time.perf_counter()
-        assert engine.submit(req).accepted
-        while engine.has_work:
-            engine.step()
-        seconds.append(time.perf_counter() - start)
-    return seconds
+    return [timed(partial(generate, engine, [req]))[0] for req in requests(jobs)]
 
 
 def overhead(forward_s: float, engine_s: float, captured: EngineRun) -> dict[str, float]:
@@ -203,12 +170,6 @@ def overhead(forward_s: float, engine_s: float, captured: EngineRun) -> dict[str
 
 
 # ---- one config ---------------------------------------------------------------------
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for queued kernels, so a clock read after it covers them (no-op on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class OnDevice:
@@ -232,33 +193,32 @@ class OnDevice:
 def load_smollm2(device: str, dtype: str) -> tuple[Any, LoadedModel, dict[str, Any]]:
     """transformers and tokenfleet on the same dequantized SmolLM2 weights, and the load
     time / resident weight bytes of tokenfleet's GGUF load per dtype (best of 3)."""
-    from transformers import AutoModelForCausalLM
-
     from tokenfleet.model.smollm2 import require_smollm2_gguf
 
     path = require_smollm2_gguf()
     loads: dict[str, Any] = {"file_bytes": path.stat().st_size, "device": device}
+
+    def on_device(load: Callable[[], Any]) -> Any:
+        loaded = load()
+        synchronize(device)
+        return loaded
+
     for load_dtype in ("float32", "bfloat16"):
         seconds = []
         for _ in range(3):
-            start = time.perf_counter()
-            model = load_model(str(path), dtype=load_dtype, device=device)
-            synchronize(device)
-            seconds.append(time.perf_counter() - start)
+            load = partial(load_model, str(path), dtype=load_dtype, device=device)
+            took, model = timed(partial(on_device, load))
+            seconds.append(took)
         loads[load_dtype] = {
             "load_s_best": min(seconds),
             "load_s_all": seconds,
             "weight_bytes": model.weight_bytes,
             "source_quant": model.source_quant,
         }
-    start = time.perf_counter()
     torch_dtype = resolve_dtype(dtype)
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch_dtype
-    ).eval()
-    hf = OnDevice(hf, device, torch_dtype)
-    synchronize(device)
-    loads["transformers_load_s"] = time.perf_counter() - start
+    loads["transformers_load_s"], hf = timed(
+        lambda: on_device(lambda: OnDevice(hf_smollm2(torch_dtype), device, torch_dtype))
+    )
     return hf, load_model(str(path), dtype=dtype, device=device), loads
 
 
@@ -376,26 +336,6 @@ def mixed_summary(mixed: list[Job], best: Best, captured: EngineRun) -> dict[str
     }
 
 
-class Best:
-    """Best (minimum) seconds per key over interleaved rounds, and each key's last result.
-
-    The minimum, not the median: the machine is shared, and other load only ever adds
-    time; interleaving the systems spreads a burst of it over all of them.
-    """
-
-    def __init__(self) -> None:
-        self.s: dict[object, float] = {}
-        self.last: dict[object, Any] = {}
-
-    def add(self, key: object, seconds: float) -> None:
-        self.s[key] = min(self.s.get(key, float("inf")), seconds)
-
-    def time(self, key: object, fn: Callable[[], Any]) -> None:
-        start = time.perf_counter()
-        self.last[key] = fn()
-        self.add(key, time.perf_counter() - start)
-
-
 def matches(got: list[list[int]], want: list[list[int]]) -> int:
     return sum(a == b for a, b in zip(got, want, strict=True))
 
@@ -425,151 +365,14 @@ def targets(res: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# ---- output -------------------------------------------------------------------------
-
-
-def markdown(results: dict[str, Any]) -> str:
-    """The tables docs/benchmarks.md shows, generated so no number is copied by hand."""
-    lines = []
-    for name, res in results.items():
-        lines += [
-            f"**{name}** ({res['params'] / 1e6:.1f}M parameters), prompt/new tokens per session "
-            "as in the settings; tokens/s are generated tokens per wall second.",
-            "",
-            "| sessions | tokenfleet tok/s | serialized tok/s | batched ÷ serialized "
-            "| transformers `generate` tok/s | its batch-N ÷ batch-1 | ticks | mean occupancy "
-            "| peak KV | forward-only tok/s | engine overhead |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for x in res["sweep"]:
-            n = x["concurrency"]
-            lines.append(
-                f"| {n} | {x['batched_tok_s']:.0f} | {x['serialized_tok_s']:.0f} "
-                f"| {x['batched_over_serialized']:.2f}× | {x['hf_generate_tok_s']:.0f} "
-                f"| {res['hf_batched_ratio'][str(n)]:.2f}× | {x['ticks']} "
-                f"| {x['occupancy_mean']:.2f} | {x['peak_kv_bytes'] / MiB:.2f} MiB "
-                f"| {x['tokens'] / x['forward_only_s']:.0f} | {x['overhead_frac']:.1%} |"
-            )
-        m = res["mixed"]
-        ours = m["systems"]["tokenfleet"]["tok_s"]
-        lines += [
-            "",
-            f"Mixed workload: {m['requests']} requests, {m['useful_tokens']} useful tokens "
-            f"(the static batch generates {m['static_batch_generated_tokens']}).",
-            "",
-            "| system | useful tok/s | seconds | tokenfleet is |",
-            "|---|---:|---:|---:|",
-        ]
-        for k, v in m["systems"].items():
-            lines.append(f"| {k} | {v['tok_s']:.0f} | {v['s']:.2f} | {ours / v['tok_s']:.2f}× |")
-        lines += [
-            "",
-            f"tokenfleet ticks {m['ticks']}, engine overhead over bare forwards "
-            f"{m['bound']['overhead_frac']:.1%}; greedy tokens equal to one `generate` per "
-            f"request: tokenfleet {m['match_tokenfleet_vs_generate']}/{m['requests']}, "
-            f"transformers static batch {m['match_hf_static_vs_generate']}/{m['requests']}, "
-            f"its continuous batching {m['match_hf_continuous_vs_generate']}/{m['requests']}.",
-            "",
-        ]
-    return "\n".join(lines)
-
-
-def table(results: dict[str, Any]) -> str:
-    lines = []
-    for name, res in results.items():
-        lines.append(f"\n{name} ({res['params'] / 1e6:.1f}M params)")
-        lines.append(
-            f"{'N':>3} {'tok/s':>8} {'serial':>8} {'ratio':>6} {'hf tok/s':>9} "
-            f"{'hf ratio':>8} {'ticks':>6} {'occ':>5} {'peak KV':>9} {'overhead':>8}"
-        )
-        for x in res["sweep"]:
-            lines.append(
-                f"{x['concurrency']:>3} {x['batched_tok_s']:>8.0f} {x['serialized_tok_s']:>8.0f} "
-                f"{x['batched_over_serialized']:>6.2f} {x['hf_generate_tok_s']:>9.0f} "
-                f"{res['hf_batched_ratio'][str(x['concurrency'])]:>8.2f} {x['ticks']:>6} "
-                f"{x['occupancy_mean']:>5.2f} {x['peak_kv_bytes'] / MiB:>7.2f}Mi "
-                f"{x['overhead_frac']:>8.1%}"
-            )
-        m = res["mixed"]
-        lines.append(f"mixed: {m['requests']} requests, {m['useful_tokens']} useful tokens")
-        for sys_name, v in m["systems"].items():
-            lines.append(f"  {sys_name:<30} {v['tok_s']:>8.0f} tok/s  {v['s']:>7.2f} s")
-        lines.append(
-            f"  tokenfleet == generate tokens: {m['match_tokenfleet_vs_generate']}"
-            f"/{m['requests']}; overhead {m['bound']['overhead_frac']:.1%}"
-        )
-        t = res["targets"]
-        lines.append(
-            f"targets: ratio@{t['at_concurrency']} {t['batched_over_serialized']:.2f} vs hf "
-            f"{t['hf_batched_over_batch1']:.2f} ({'met' if t['ratio_met'] else 'MISSED'}); "
-            f"mixed {t['mixed_vs_hf_continuous']:.2f}x cb "
-            f"({'met' if t['mixed_vs_hf_continuous_met'] else 'MISSED'}), "
-            f"{t['mixed_vs_hf_static']:.2f}x static "
-            f"({'met' if t['mixed_vs_hf_static_met'] else 'MISSED'}); "
-            f"overhead {t['overhead_frac']:.1%} ({'met' if t['overhead_met'] else 'MISSED'})"
-        )
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    names = list(results)
-    fig, axes = plt.subplots(2, len(names), figsize=(5.5 * len(names), 8), squeeze=False)
-    for col, name in enumerate(names):
-        res = results[name]
-        n = [x["concurrency"] for x in res["sweep"]]
-        ax = axes[0][col]
-        ax.plot(n, [x["batched_tok_s"] for x in res["sweep"]], "o-", label="tokenfleet batched")
-        ax.plot(
-            n, [x["serialized_tok_s"] for x in res["sweep"]], "s--", label="tokenfleet serialized"
-        )
-        ax.plot(
-            n,
-            [x["hf_generate_tok_s"] for x in res["sweep"]],
-            "^-",
-            label="transformers generate (batch N)",
-        )
-        ax.plot(
-            n,
-            [x["forward_only_s"] and x["tokens"] / x["forward_only_s"] for x in res["sweep"]],
-            ":",
-            color="gray",
-            label="tokenfleet forward-only bound",
-        )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(n, [str(v) for v in n])
-        ax.set_xlabel("concurrent sessions")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{name}: concurrency sweep")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-
-        ax = axes[1][col]
-        systems = res["mixed"]["systems"]
-        labels = [
-            "tokenfleet",
-            "hf per-request\ngenerate",
-            "hf static\nbatch",
-            "hf continuous\nbatching",
-        ]
-        values = [systems[k]["tok_s"] for k in systems]
-        bars = ax.bar(labels, values, color=["C0", "C7", "C1", "C2"])
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_ylabel("useful tokens/s")
-        ax.set_title(f"{name}: mixed workload ({res['mixed']['requests']} requests)")
-        ax.tick_params(axis="x", labelsize=8)
-    save_figure(fig, path)
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="tiny,small")
-    parser.add_argument("--quick", action="store_true", help="shrink everything (< 1 min)")
-    parser.add_argument("--out", default="bench/out/engine.json")
-    parser.add_argument("--plot", default="docs/img/engine.png")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
-    parser.add_argument("--dtype", default="fp32", help="fp32 or bf16 (both systems)")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--configs", default="tiny,small")
+    p.add_argument("--quick", action="store_true", help="shrink everything (< 1 min)")
+    outputs(p, "engine")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (both systems)")
+    p.add_argument("--dtype", default="fp32", help="fp32 or bf16 (both systems)")
+    args = p.parse_args()
 
     torch.set_num_threads(os.cpu_count() or 1)
     import transformers
@@ -578,32 +381,21 @@ def main() -> None:
     transformers.utils.logging.disable_progress_bar()
 
     settings = Settings.quick() if args.quick else Settings.full()
-    machine = machine_info()
-    started = time.perf_counter()
+    run = Run()
     results: dict[str, Any] = {}
     for name in args.configs.split(","):
-        print(f"[{time.perf_counter() - started:6.1f}s] {name} ...", flush=True)
-        results[name] = bench_config(
-            name, settings, lambda msg: print(msg, flush=True), args.device, args.dtype
-        )
-    mark_end(machine)
-    report = {
-        "machine": machine,
-        "device": args.device,
-        "device_name": torch.cuda.get_device_name(args.device)
-        if args.device.startswith("cuda")
-        else machine["cpu"],
-        "dtype": args.dtype,
-        "quick": args.quick,
-        "settings": settings.__dict__,
-        "wall_s": time.perf_counter() - started,
-        "configs": results,
-    }
-    print(table(results))
-    out = write_report(Path(args.out), report, markdown(results))
-    if args.plot:
-        plot(results, Path(args.plot))
-    print(wrote(out, args.plot, report["wall_s"]))
+        run.log(f"{name} ...")
+        results[name] = bench_config(name, settings, run.log, args.device, args.dtype)
+    cuda = args.device.startswith("cuda")
+    report = run.report(
+        device=args.device,
+        device_name=torch.cuda.get_device_name(args.device) if cuda else run.machine["cpu"],
+        dtype=args.dtype,
+        quick=args.quick,
+        settings=settings.__dict__,
+        configs=results,
+    )
+    run.finish(args, report, markdown(results), partial(plot, results), table=table(results))
 
 
 if __name__ == "__main__":

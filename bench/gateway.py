@@ -7,7 +7,7 @@ Usage: python bench/gateway.py [--requests 16] [--rounds 5] [--device cpu] [--th
        python bench/gateway.py --streams 2000 [--workers 2] [--leave-share 0.1]
        [--out bench/out/gateway-streams.json] [--plot docs/img/gateway-streams.png]
 
-Starts an embedded redis-server, ONE `tokenfleet worker` (tiny-random) and the gateway
+Starts a redis-server of its own, ONE `tokenfleet worker` (tiny-random) and the gateway
 as a subprocess (`tokenfleet.gateway.command.gateway`), then runs rounds: each round
 submits all requests at once and streams every one to its end, directly and through
 the gateway (SSE, httpx), the order alternating between rounds. Greedy, `ignore_eos`,
@@ -20,7 +20,7 @@ assistant role) as soon as the first token reaches it, so both modes time the sa
 event. Also: the gateway process's CPU time per streamed token (Linux /proc).
 Prints a table, writes JSON.
 
-`--streams N`: the same embedded Redis, `--workers` tiny-random workers and the gateway
+`--streams N`: the same redis-server, `--workers` tiny-random workers and the gateway
 subprocess (queue cap 2 N, queue timeout 15 min), and a client in a process of its own
 (this script with `--client`, httpx) that opens N streamed completions at once: most
 ask for 16–48 tokens; a `--leave-share` of them ask for 256 and hang up after 4. Counted
@@ -42,17 +42,22 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis
-from report import machine_info, mark_end, pct, pyplot, save_figure, write_json
+from _fleet import Fleet
+from _rounds import abba, wait_until
+from report import figure, machine_info, mark_end, parser, pct, write_json
 
 from tokenfleet.gateway.app import CLIENT_NAME
 from tokenfleet.gateway.subscriber import PUBSUB_CLIENT_NAME
 from tokenfleet.keys import Keys
-from tokenfleet.local import EmbeddedRedis, LocalWorkers, cpu_seconds, free_port
+from tokenfleet.local import cpu_seconds, free_port
 from tokenfleet.producer import AsyncProducer, Producer
 from tokenfleet.protocol import GenerationRequest
 
@@ -67,6 +72,30 @@ def workload(n: int, seed: int = 5) -> list[tuple[str, int]]:
         (" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))), rng.randint(16, 128))
         for _ in range(n)
     ]
+
+
+def stream_body(max_tokens: int, **content: Any) -> dict[str, Any]:
+    """A streamed, greedy OpenAI request body (usage in its last chunk), eos ignored."""
+    return {
+        "model": "default",
+        **content,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+Streamer = Callable[[str, int], Awaitable[tuple[float, int]]]
+
+
+async def one_round(one: Streamer, jobs: list[tuple[str, int]]) -> dict[str, Any]:
+    """Every job at once through `one` (its TTFT, its tokens): wall time, TTFTs, tokens."""
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(m, n) for m, n in jobs))
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "ttft_s": [t for t, _ in results], "tokens": sum(n for _, n in results)}
 
 
 async def direct_round(producer: AsyncProducer, jobs: list[tuple[str, int]]) -> dict[str, Any]:
@@ -86,23 +115,12 @@ async def direct_round(producer: AsyncProducer, jobs: list[tuple[str, int]]) -> 
         assert handle.finish is not None and handle.finish.reason == "length", handle.finish
         return ttft, handle.finish.usage.completion_tokens
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(m, n) for m, n in jobs))
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft_s": [t for t, _ in results], "tokens": sum(n for _, n in results)}
+    return await one_round(one, jobs)
 
 
 async def gateway_round(http: httpx.AsyncClient, jobs: list[tuple[str, int]]) -> dict[str, Any]:
     async def one(message: str, new: int) -> tuple[float, int]:
-        body = {
-            "model": "default",
-            "messages": [{"role": "user", "content": message}],
-            "max_tokens": new,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = stream_body(new, messages=[{"role": "user", "content": message}])
         start = time.perf_counter()
         ttft = -1.0
         tokens = 0
@@ -118,10 +136,7 @@ async def gateway_round(http: httpx.AsyncClient, jobs: list[tuple[str, int]]) ->
                     tokens = json.loads(line[6:])["usage"]["completion_tokens"]
         return ttft, tokens
 
-    start = time.perf_counter()
-    results = await asyncio.gather(*(one(m, n) for m, n in jobs))
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft_s": [t for t, _ in results], "tokens": sum(n for _, n in results)}
+    return await one_round(one, jobs)
 
 
 def summarise(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -147,7 +162,7 @@ async def run(
         direct, gateway = [], []
         gateway_cpu = 0.0
         for i in range(rounds):  # alternate which mode goes first, so drift hits both
-            for mode in ("direct", "gateway") if i % 2 == 0 else ("gateway", "direct"):
+            for mode in abba(("direct", "gateway"), i):
                 if mode == "direct":
                     direct.append(await direct_round(producer, jobs))
                 else:
@@ -172,17 +187,43 @@ def start_gateway(redis_url: str, *extra: str) -> tuple[str, subprocess.Popen[by
 def wait_healthy(
     gateway_url: str, proc: subprocess.Popen[bytes], timeout: float = 120, want: int = 1
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError("the gateway exited early")
         try:
-            if httpx.get(f"{gateway_url}/health", timeout=2).json().get("live_workers", 0) >= want:
-                return
+            health = httpx.get(f"{gateway_url}/health", timeout=2).json()
         except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the gateway or the worker did not come up")
+            return False
+        return bool(health.get("live_workers", 0) >= want)
+
+    if not wait_until(healthy, timeout, every_s=0.2):
+        raise TimeoutError("the gateway or the worker did not come up")
+
+
+@dataclass
+class Served:
+    """A fleet on PREFIX and one gateway process in front of it."""
+
+    redis_url: str
+    producer: Producer
+    gateway_url: str
+    gateway: subprocess.Popen[bytes]
+
+
+@contextmanager
+def served(worker_args: list[str], workers: int, *gateway_flags: str) -> Iterator[Served]:
+    """A redis-server, `workers` workers with `worker_args` and the gateway (with
+    `gateway_flags`), once the gateway sees every worker; all stopped on exit."""
+    with Fleet() as fleet:
+        group = fleet.workers(PREFIX, worker_args)
+        gateway_url, gateway = start_gateway(fleet.url, *gateway_flags)
+        try:
+            group.start(workers, name_prefix="bench-gw")
+            wait_healthy(gateway_url, gateway, want=workers)
+            yield Served(fleet.url, fleet.producer(group), gateway_url, gateway)
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
 
 
 # ---- N concurrent streams (--streams) ------------------------------------------------
@@ -203,15 +244,7 @@ async def storm_client(url: str, plan: list[tuple[int, int | None]]) -> list[dic
 
     async def one(http: httpx.AsyncClient, i: int, new: int, leave: int | None) -> dict[str, Any]:
         words = " ".join(WORDS[(i + k) % len(WORDS)] for k in range(3 + i % 13))
-        body = {
-            "model": "default",
-            "prompt": words,
-            "max_tokens": new,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        body = stream_body(new, prompt=words)
         rec: dict[str, Any] = {"max_tokens": new, "leaves": leave is not None, "status": None}
         rec |= {"error": None, "done": False, "tokens": 0, "chunks": 0, "keepalives": 0}
         start = time.perf_counter()
@@ -272,37 +305,33 @@ def storm(args: argparse.Namespace) -> None:
     n = args.streams
     keys = Keys(PREFIX)
     machine = machine_info()
-    redis_server = EmbeddedRedis.start()
-    r = redis.Redis.from_url(redis_server.url)
-    Producer(r, keys=keys).set_queue_cap(2 * n)  # every stream's job must fit in the queue
     worker_args = ["--model", "tiny-random", "--device", args.device, "--threads", "1"]
     worker_args += ["--max-batch", "256", "--max-active", "512", "--max-waiting", "64"]
     worker_args += ["--kv-mb", "512"]
-    workers = LocalWorkers(redis_server.url, PREFIX, worker_args)
-    gateway_url, gateway_proc = start_gateway(redis_server.url, "--queue-timeout", "900")
     samples: list[dict[str, float]] = []
     out = Path(args.out)
     client_out = out.with_suffix(".client.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        workers.start(args.workers, name_prefix="bench-gw")
-        wait_healthy(gateway_url, gateway_proc, want=args.workers)
-        client_cmd = [sys.executable, __file__, "--client", gateway_url, "--streams", str(n)]
-        client_cmd += ["--leave-share", str(args.leave_share), "--out", str(client_out)]
+    with served(worker_args, args.workers, "--queue-timeout", "900") as fleet:
+        r = fleet.producer.redis
+        fleet.producer.set_queue_cap(2 * n)  # every stream's job must fit in the queue
+        client_cmd = [sys.executable, __file__, "--client", fleet.gateway_url]
+        client_cmd += ["--streams", str(n), "--leave-share", str(args.leave_share)]
+        client_cmd += ["--out", str(client_out)]
         start = time.monotonic()
         client = subprocess.Popen(client_cmd)
         while client.poll() is None:
             clients = r.client_list()
             kv, active = fleet_sample(r, keys)
             try:
-                health = httpx.get(f"{gateway_url}/health", timeout=10).json()
+                health = httpx.get(f"{fleet.gateway_url}/health", timeout=10).json()
                 streams = health["pubsub"]["streams"]
             except (httpx.HTTPError, KeyError):
                 streams = -1
             samples.append(
                 {
                     "t_s": time.monotonic() - start,
-                    "gateway_rss_mb": rss_mb(gateway_proc.pid),
+                    "gateway_rss_mb": rss_mb(fleet.gateway.pid),
                     "pubsub_connections": sum(c.get("name") == PUBSUB_CLIENT_NAME for c in clients),
                     "command_connections": sum(c.get("name") == CLIENT_NAME for c in clients),
                     "streams": streams,
@@ -317,24 +346,16 @@ def storm(args: argparse.Namespace) -> None:
         records = json.loads(client_out.read_text())
         # the workers' KV must go back to 0 once every stream ended (abandoned ones cancelled)
         settle_start = time.monotonic()
-        kv, active = fleet_sample(r, keys)
-        while (kv or active) and time.monotonic() - settle_start < 120:
-            time.sleep(0.5)
-            kv, active = fleet_sample(r, keys)
+        wait_until(lambda: not any(fleet_sample(r, keys)), 120, every_s=0.5)
         settle = time.monotonic() - settle_start
-        peak_rss = rss_mb(gateway_proc.pid, "VmHWM")
+        kv, active = fleet_sample(r, keys)
+        peak_rss = rss_mb(fleet.gateway.pid, "VmHWM")
         leavers = [rec for rec in records if rec["leaves"] and rec.get("job_id")]
         reasons: dict[str, int] = {}
         for rec in leavers:
             reason = r.hget(keys.job(rec["job_id"]), "finish_reason")
             name = reason.decode() if reason else "unfinished"
             reasons[name] = reasons.get(name, 0) + 1
-    finally:
-        gateway_proc.terminate()
-        gateway_proc.wait(timeout=30)
-        workers.drain()
-        r.close()
-        redis_server.stop()
 
     def failed(rec: dict[str, Any]) -> bool:
         if rec["status"] != 200 or rec["error"] is not None:
@@ -393,46 +414,44 @@ def storm(args: argparse.Namespace) -> None:
 
 
 def plot_storm(result: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
     samples = result["samples"]
     t = [s["t_s"] for s in samples]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
-    axes[0].plot(t, [s["streams"] for s in samples], label="streams the gateway follows")
-    axes[0].plot(t, [s["active"] for s in samples], label="sessions active on the workers")
-    axes[0].set_title(
-        f"{result['streams']:,} concurrent streams: {result['errors']} errors, "
-        f"{result['completed_streams']:,}/{result['streams_expected_to_complete']:,} complete, "
-        f"{result['abandoned_streams']} abandoned"
-    )
-    axes[0].legend(fontsize=8)
-    axes[1].plot(t, [s["gateway_rss_mb"] for s in samples], color="C2", label="gateway RSS")
-    axes[1].axhline(300, color="C3", linestyle=":", label="target 300 MB")
-    axes[1].set_ylabel("MB")
-    axes[1].legend(fontsize=8)
-    ax = axes[1].twinx()
-    ax.plot(t, [s["pubsub_connections"] for s in samples], color="C4", label="pub/sub conns")
-    ax.plot(t, [s["command_connections"] for s in samples], color="C5", label="command conns")
-    ax.set_ylabel("connections")
-    ax.legend(fontsize=8, loc="lower right")
-    axes[2].plot(t, [s["kv_used_mb"] for s in samples], color="C1")
-    axes[2].set_ylabel("workers' KV in use, MiB")
-    axes[2].set_xlabel("seconds since the first request")
-    save_figure(fig, path)
+    with figure(path, 3, 1, figsize=(9, 9), sharex=True) as axes:
+        axes[0].plot(t, [s["streams"] for s in samples], label="streams the gateway follows")
+        axes[0].plot(t, [s["active"] for s in samples], label="sessions active on the workers")
+        axes[0].set_title(
+            f"{result['streams']:,} concurrent streams: {result['errors']} errors, "
+            f"{result['completed_streams']:,}/{result['streams_expected_to_complete']:,} complete, "
+            f"{result['abandoned_streams']} abandoned"
+        )
+        axes[0].legend(fontsize=8)
+        axes[1].plot(t, [s["gateway_rss_mb"] for s in samples], color="C2", label="gateway RSS")
+        axes[1].axhline(300, color="C3", linestyle=":", label="target 300 MB")
+        axes[1].set_ylabel("MB")
+        axes[1].legend(fontsize=8)
+        ax = axes[1].twinx()
+        ax.plot(t, [s["pubsub_connections"] for s in samples], color="C4", label="pub/sub conns")
+        ax.plot(t, [s["command_connections"] for s in samples], color="C5", label="command conns")
+        ax.set_ylabel("connections")
+        ax.legend(fontsize=8, loc="lower right")
+        axes[2].plot(t, [s["kv_used_mb"] for s in samples], color="C1")
+        axes[2].set_ylabel("workers' KV in use, MiB")
+        axes[2].set_xlabel("seconds since the first request")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
-    parser.add_argument("--out", default=None, help="default bench/out/gateway[-streams].json")
-    parser.add_argument("--streams", type=int, default=0, help="N concurrent streams instead")
-    parser.add_argument("--workers", type=int, default=2, help="workers of --streams")
-    parser.add_argument("--leave-share", type=float, default=0.1, help="clients that hang up")
-    parser.add_argument("--plot", default="docs/img/gateway-streams.png", help="of --streams")
-    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the client process
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
+    p.add_argument("--out", default=None, help="default bench/out/gateway[-streams].json")
+    p.add_argument("--streams", type=int, default=0, help="N concurrent streams instead")
+    p.add_argument("--workers", type=int, default=2, help="workers of --streams")
+    p.add_argument("--leave-share", type=float, default=0.1, help="clients that hang up")
+    p.add_argument("--plot", default="docs/img/gateway-streams.png", help="of --streams")
+    p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the client process
+    args = p.parse_args()
     if args.client:
         plan = stream_plan(args.streams, args.leave_share)
         Path(args.out).write_text(json.dumps(asyncio.run(storm_client(args.client, plan))))
@@ -444,23 +463,12 @@ def main() -> None:
     args.out = args.out or "bench/out/gateway.json"
     jobs = workload(args.requests)
     machine = machine_info()
-
-    redis_server = EmbeddedRedis.start()
     worker_args = ["--model", "tiny-random", "--device", args.device]
     worker_args += ["--threads", str(args.threads), "--max-batch", str(max(32, args.requests))]
-    workers = LocalWorkers(redis_server.url, PREFIX, worker_args)
-    gateway_url, gateway_proc = start_gateway(redis_server.url)
-    try:
-        workers.start(1, name_prefix="bench-gw")
-        wait_healthy(gateway_url, gateway_proc)
+    with served(worker_args, 1) as fleet:
         direct, gateway, cpu_ms = asyncio.run(
-            run(redis_server.url, gateway_url, gateway_proc.pid, jobs, args.rounds)
+            run(fleet.redis_url, fleet.gateway_url, fleet.gateway.pid, jobs, args.rounds)
         )
-    finally:
-        gateway_proc.terminate()
-        gateway_proc.wait(timeout=30)
-        workers.drain()
-        redis_server.stop()
 
     result = {
         "requests": args.requests,

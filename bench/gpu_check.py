@@ -8,8 +8,9 @@
     python bench/gpu_check.py compiled OUT.json    eager vs compiled decode step times
     python bench/gpu_check.py summary DETAILS OUT.json
 
-`deps` and `install-plan` import neither torch nor tokenfleet (they run before
-anything is installed); the others run inside the check's venv.
+`deps`, `check-bundle`, `sim-base` and `install-plan` (bench/_bundle.py) import
+neither torch nor tokenfleet (they run before anything is installed); the others run
+inside the check's venv.
 """
 
 from __future__ import annotations
@@ -19,222 +20,16 @@ import dataclasses
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterable
-from importlib import metadata
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# ---- bundling (here) ----------------------------------------------------------------
-
-# Never bundled, never descended into: the GPU machine brings its own (CUDA builds),
-# and numpy comes with transformers (which requires it) and is large.
-PROVIDED = ("torch", "transformers", "triton", "numpy", "setuptools", "pip")
-PROVIDED_PREFIXES = ("nvidia-", "cuda-")
-# Test-extra entries the GPU check does not need: linters and the plotting stack
-# (the bench runs with --plot '').
-SKIPPED_TOP = ("ruff", "mypy", "matplotlib")
-# Required by transformers >= 5 itself (and huggingface_hub's hf-xet on x86-64): present
-# wherever transformers is, so bundled apart (wheels-extra/), not in the carried wheels/.
-TRANSFORMERS_BRINGS = ("tokenizers", "safetensors", "huggingface-hub", "hf-xet")
-
-
-def _canon(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _provided(name: str) -> bool:
-    n = _canon(name)
-    return n in PROVIDED or n.startswith(PROVIDED_PREFIXES)
-
-
-def _requirements(dist: metadata.Distribution, extras: Iterable[str]) -> list[Any]:
-    from packaging.requirements import Requirement
-
-    wanted = set(extras) or {""}
-    out = []
-    for line in dist.requires or []:
-        req = Requirement(line)
-        if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in wanted):
-            continue
-        out.append(req)
-    return out
-
-
-def dependency_closure(root: str = "tokenfleet", extras: tuple[str, ...] = ("test",)) -> Any:
-    """(top-level requirement strings, {name: installed version}) of `root[extras]`, as
-    installed in this environment, without the PROVIDED packages and their subtrees."""
-    top: list[str] = []
-    pins: dict[str, str] = {}
-    missing: list[str] = []
-    todo = []
-    for req in _requirements(metadata.distribution(root), extras):
-        if _provided(req.name) or _canon(req.name) in SKIPPED_TOP:
-            continue
-        req.marker = None
-        top.append(str(req))
-        todo.append(req)
-    while todo:
-        req = todo.pop()
-        name = _canon(req.name)
-        if _provided(name):
-            continue
-        try:
-            dist = metadata.distribution(req.name)
-        except metadata.PackageNotFoundError:
-            missing.append(name)
-            continue
-        if name not in pins:
-            pins[name] = dist.version
-            todo.extend(_requirements(dist, ()))
-        if req.extras:  # redis[hiredis], fakeredis[lua]: the extra's requirements too
-            todo.extend(r for r in _requirements(dist, req.extras) if r.marker is not None)
-    return top, pins, sorted(set(missing))
-
-
-def cmd_deps(args: argparse.Namespace) -> None:
-    top, pins, missing = dependency_closure()
-    Path(args.requirements).write_text("\n".join(top) + "\n")
-    Path(args.pins).write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins.items())))
-    core = {n: v for n, v in pins.items() if n not in TRANSFORMERS_BRINGS}
-    extra = {n: v for n, v in pins.items() if n in TRANSFORMERS_BRINGS}
-    Path(args.core).write_text("".join(f"{n}=={v}\n" for n, v in sorted(core.items())))
-    Path(args.extra).write_text("".join(f"{n}=={v}\n" for n, v in sorted(extra.items())))
-    for name in missing:
-        print(f"note: {name} is required but not installed here (platform marker?)")
-    print(f"{len(top)} top-level requirements, {len(pins)} pinned distributions")
-
-
-def _supported_tags(pyver: str) -> set[Any]:
-    """What a CPython `pyver` on manylinux x86-64 (glibc up to 2.35) installs."""
-    from packaging import tags
-
-    major, minor = (int(x) for x in pyver.split("."))
-    platforms = ["linux_x86_64", "manylinux1_x86_64", "manylinux2010_x86_64"]
-    platforms += ["manylinux2014_x86_64"] + [f"manylinux_2_{n}_x86_64" for n in range(5, 36)]
-    abi = f"cp{major}{minor}"
-    found = set(tags.cpython_tags((major, minor), [abi, "abi3", "none"], platforms))
-    return found | set(tags.compatible_tags((major, minor), abi, platforms))
-
-
-def cmd_check_bundle(args: argparse.Namespace) -> None:
-    """Every pin has a wheel for each Python version; say which folder each comes from."""
-    from packaging.utils import canonicalize_name, parse_wheel_filename
-
-    bundle = Path(args.bundle)
-    pins = dict(
-        line.split("==") for line in (bundle / "wheels/pins.txt").read_text().split() if line
-    )
-    wheels = [(w.parent.name, parse_wheel_filename(w.name)) for w in bundle.glob("wheels*/*.whl")]
-    bad = 0
-    for pyver in args.pyvers.split():
-        supported = _supported_tags(pyver)
-        where: dict[str, set[str]] = {}
-        for folder, (name, version, _, wheel_tags) in wheels:
-            if wheel_tags & supported:
-                where.setdefault(str(canonicalize_name(name)), set()).add(f"{folder}:{version}")
-        missing = [
-            n for n, v in pins.items() if not any(x.endswith(f":{v}") for x in where.get(n, ()))
-        ]
-        extra_only = sorted(
-            n for n in pins if where.get(n) and all(x.startswith("wheels-extra:") for x in where[n])
-        )
-        print(
-            f"Python {pyver}: {len(pins) - len(missing)}/{len(pins)} pins have a wheel"
-            + (f"; MISSING {missing}" if missing else "")
-            + (f"; only in wheels-extra/: {extra_only}" if extra_only else "")
-        )
-        bad += len(missing)
-        if "tokenfleet" not in where:
-            print(f"Python {pyver}: MISSING the tokenfleet wheel")
-            bad += 1
-    if bad:
-        raise SystemExit(1)
-
-
-def cmd_install_plan(args: argparse.Namespace) -> None:
-    """Print the bundle's wheels (any wheels*/ folder) that this interpreter can install
-    and whose distribution is not installed at all: the --no-deps fallback for when
-    pip's resolver cannot satisfy everything offline."""
-    from packaging.tags import sys_tags
-    from packaging.utils import parse_wheel_filename
-
-    supported = set(sys_tags())
-    chosen: dict[str, Path] = {}
-    for wheel in sorted(Path(args.bundle).glob("wheels*/*.whl")):
-        name, _, _, wheel_tags = parse_wheel_filename(wheel.name)
-        if not wheel_tags & supported or name in chosen:
-            continue
-        try:
-            metadata.version(name)
-        except metadata.PackageNotFoundError:
-            chosen[name] = wheel
-    for wheel in chosen.values():
-        print(wheel)
-
-
-# Not in the stand-in's base: the GPU image has no pydantic (its huggingface_hub predates
-# the httpx2 that pulls it in here), so the dry run must install it from the bundle.
-SIM_BASE_WITHOUT = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
-
-
-def cmd_sim_base(args: argparse.Namespace) -> None:
-    """A venv holding only torch, transformers and what they require (symlinked from
-    this environment): like the GPU image's python3, itself a venv with torch in it."""
-    import subprocess
-    import sysconfig
-
-    seen: set[str] = set()
-    todo = ["torch", "transformers", "pip"]
-    dists = []
-    while todo:
-        name = _canon(todo.pop())
-        if name in seen or name in SIM_BASE_WITHOUT:
-            continue
-        seen.add(name)
-        try:
-            dist = metadata.distribution(name)
-        except metadata.PackageNotFoundError:
-            continue
-        dists.append(dist)
-        todo.extend(r.name for r in _requirements(dist, ()))
-    target = Path(args.dir)
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    subprocess.run([sys._base_executable, "-m", "venv", "--without-pip", str(target)], check=True)
-    site = Path(
-        subprocess.run(
-            [
-                str(target / "bin/python"),
-                "-c",
-                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
-    here = Path(sysconfig.get_paths()["purelib"])
-    tops: set[str] = set()
-    for dist in dists:
-        for f in dist.files or ():
-            first = Path(str(f)).parts[0]
-            if first not in ("..", "__pycache__") and (here / first).exists():
-                tops.add(first)
-    for top in sorted(tops):
-        (site / top).symlink_to(here / top)
-    print(target / "bin/python")
-    print(
-        f"{len(dists)} distributions: {' '.join(sorted(seen - set(SIM_BASE_WITHOUT)))}",
-        file=sys.stderr,
-    )
-
+from _bundle import cmd_check_bundle, cmd_deps, cmd_install_plan, cmd_sim_base
+from report import package_version
 
 # ---- environment ----------------------------------------------------------------------
 
@@ -255,13 +50,6 @@ VERSIONS = (
 )
 
 
-def _version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
 def cmd_env(args: argparse.Namespace) -> None:
     import torch
 
@@ -273,7 +61,7 @@ def cmd_env(args: argparse.Namespace) -> None:
         "executable": sys.executable,
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "versions": {n: _version(n) for n in VERSIONS},
+        "versions": {n: package_version(n) for n in VERSIONS},
         "tokenfleet_file": tokenfleet.__file__,
         "cuda_available": torch.cuda.is_available(),
         "torch_cuda": torch.version.cuda,
@@ -300,55 +88,18 @@ def cmd_env(args: argparse.Namespace) -> None:
 # ---- eager vs compiled decode steps -------------------------------------------------
 
 # Random checkpoints (timing does not depend on the weights' values): the engine
-# benchmark's tiny and small configs (bench/_common.py), and SmolLM2-135M's shape (its
-# config.json), so no 94 MiB file has to be carried.
-SMOLLM2_SHAPE: dict[str, Any] = dict(
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    intermediate_size=1536,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-    rope_theta=100000.0,
-)
-
-
-def _shape(name: str) -> dict[str, Any]:
-    if name == "smollm2-shape":
-        return SMOLLM2_SHAPE
-    from _common import MODEL_CONFIGS  # imports torch: only where a model is built
-
-    return MODEL_CONFIGS[name]
-
-
+# benchmark's tiny and small configs and SmolLM2-135M's shape (bench/_common.py's
+# MODEL_CONFIGS), so no 94 MiB file has to be carried.
 BLOCK = 16
-
-
-def _checkpoint(shape: str, folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        **_shape(shape), max_position_embeddings=2048, rms_norm_eps=1e-5, eos_token_id=None
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup: int) -> Any:
     """Seconds per decode-only forward of `batch` sequences at position `ctx` (mean over
     `iters` after `warmup`), and the last logits (cloned: graphs reuse their outputs)."""
     import torch
+    from _engine import synchronize
 
-    from tokenfleet.model import SeqInput
+    from tokenfleet.model.tick_inputs import SeqInput
 
     per_seq = -(-(ctx + 1) // BLOCK)
     seqs = [SeqInput(list(range(i * per_seq, (i + 1) * per_seq)), ctx, 1) for i in range(batch)]
@@ -358,12 +109,12 @@ def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup
     for _ in range(warmup):
         out = None  # hold no output of a previous call (CUDA graphs reuse their memory)
         out = model.forward(ids_list, seqs, pool)
-    _sync(model.device)
+    synchronize(model.device)
     start = time.perf_counter()
     for _ in range(iters):
         out = None
         out = model.forward(ids_list, seqs, pool)
-    _sync(model.device)
+    synchronize(model.device)
     seconds = (time.perf_counter() - start) / iters
     assert out is not None
     return seconds, out.clone()
@@ -371,6 +122,7 @@ def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup
 
 def cmd_compiled(args: argparse.Namespace) -> None:
     import torch
+    from _common import build_checkpoint
 
     from tokenfleet.model import load_model
 
@@ -412,7 +164,7 @@ def cmd_compiled(args: argparse.Namespace) -> None:
             out["runs"].append(run)
             try:
                 with tempfile.TemporaryDirectory() as folder:
-                    _checkpoint(shape, Path(folder))
+                    build_checkpoint(shape, Path(folder), max_positions=2048)
                     loaded = load_model(folder, device=args.device, dtype=dtype)
                 model = loaded.model
                 run["params"] = loaded.config.param_count
@@ -620,27 +372,25 @@ def text_summary(s: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("deps")
+
+    def command(fn: Callable[[argparse.Namespace], None], *positional: str) -> Any:
+        """The subcommand named after `fn` (cmd_check_bundle: check-bundle)."""
+        p = sub.add_parser(fn.__name__.removeprefix("cmd_").replace("_", "-"))
+        for name in positional:
+            p.add_argument(name)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = command(cmd_deps)
     p.add_argument("--requirements", required=True)
     p.add_argument("--pins", required=True)
     p.add_argument("--core", required=True, help="the pins for wheels/")
     p.add_argument("--extra", required=True, help="the pins for wheels-extra/")
-    p.set_defaults(fn=cmd_deps)
-    p = sub.add_parser("check-bundle")
-    p.add_argument("bundle")
-    p.add_argument("--pyvers", default="3.12 3.11")
-    p.set_defaults(fn=cmd_check_bundle)
-    p = sub.add_parser("sim-base")
-    p.add_argument("dir")
-    p.set_defaults(fn=cmd_sim_base)
-    p = sub.add_parser("install-plan")
-    p.add_argument("bundle")
-    p.set_defaults(fn=cmd_install_plan)
-    p = sub.add_parser("env")
-    p.add_argument("out")
-    p.set_defaults(fn=cmd_env)
-    p = sub.add_parser("compiled")
-    p.add_argument("out")
+    command(cmd_check_bundle, "bundle").add_argument("--pyvers", default="3.12 3.11")
+    command(cmd_sim_base, "dir")
+    command(cmd_install_plan, "bundle")
+    command(cmd_env, "out")
+    p = command(cmd_compiled, "out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--configs", default="small,smollm2-shape")
     p.add_argument("--dtypes", default="bf16,fp32")
@@ -648,12 +398,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--mode", default=None, help="default: reduce-overhead on CUDA, else default")
-    p.set_defaults(fn=cmd_compiled)
-    p = sub.add_parser("summary")
-    p.add_argument("details")
-    p.add_argument("out")
-    p.add_argument("--mode", default="gpu")
-    p.set_defaults(fn=cmd_summary)
+    command(cmd_summary, "details", "out").add_argument("--mode", default="gpu")
     args = parser.parse_args()
     args.fn(args)
 

@@ -14,17 +14,15 @@ about half its cores should keep at least 0.4 of its speed).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 from typing import Any
 
-from report import load_now, machine_info, mark_end, write_report
+from _rounds import abba
+from report import Run, load_now, outputs, parser
 
 SETTINGS: dict[str, dict[str, str]] = {
     "2 threads, OpenMP default": {"OMP_NUM_THREADS": "2"},
@@ -86,20 +84,19 @@ def measure(env: dict[str, str], busy: bool) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="bench/out/neighbour.json")
-    parser.add_argument("--settings", default="|".join(SETTINGS), help="names, |-separated")
-    args = parser.parse_args()
-    machine = machine_info()
-    started = time.perf_counter()
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    outputs(p, "neighbour", plot=False)
+    p.add_argument("--settings", default="|".join(SETTINGS), help="names, |-separated")
+    args = p.parse_args()
+    run = Run()
     chosen = {name: SETTINGS[name] for name in args.settings.split("|")}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         name: {"quiet": [], "busy": []} for name in chosen
     }
     for r in range(args.rounds):
         for name, env in chosen.items():
-            for busy in (False, True) if r % 2 == 0 else (True, False):
+            for busy in abba((False, True), r):
                 got = measure(env, busy)
                 runs[name]["busy" if busy else "quiet"].append(got)
                 print(
@@ -112,14 +109,7 @@ def main() -> None:
         busy = statistics.median(x["tok_s"] for x in both["busy"])
         summary[name] = {"quiet_tok_s": quiet, "busy_tok_s": busy, "ratio": busy / quiet}
         print(f"{name:38s} quiet {quiet:7.1f}  busy {busy:7.1f}  ratio {busy / quiet:.2f}")
-    report = {
-        "machine": mark_end(machine),
-        "wall_s": time.perf_counter() - started,
-        "settings": chosen,
-        "runs": runs,
-        "summary": summary,
-    }
-    print("wrote", write_report(Path(args.out), report))
+    run.finish(args, run.report(settings=chosen, runs=runs, summary=summary))
 
 
 if __name__ == "__main__":

@@ -39,44 +39,39 @@ the cache vs without; chat >= 2x; ahead of llama-server on both.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import redis
 import torch
+from _common import Job, Stream, burst_metrics, requests, text_body
+from _engine import kv_bytes_per_token
+from _fleet import Fleet, follow
+from _hf import HFContinuous, hf_smollm2
+from _llamacpp import Server, find_llamacpp, llamacpp_version
+from _rounds import rotated
 from report import (
+    Run,
+    figure,
     load_now,
-    machine_info,
-    mark_end,
     markdown_table,
-    pct,
-    progress,
-    pyplot,
-    save_figure,
-    spread,
-    write_report,
-    wrote,
+    outputs,
+    parser,
+    spread_cells,
+    spread_errors,
+    spreads,
 )
-from vs_llamacpp import Server, find_llamacpp, llamacpp_version
 
-from tokenfleet.keys import Keys
-from tokenfleet.local import EmbeddedRedis, LocalWorkers
 from tokenfleet.model.smollm2 import PRESET, require_smollm2_gguf
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.producer import Producer
-from tokenfleet.protocol import GenerationRequest
 
-REPO = Path(__file__).resolve().parent.parent
-TEXT = REPO / "bench" / "data" / "declaration_gettysburg.txt"
 TIMEOUT_S = 900.0
 SYSTEMS = ("ours-cache", "ours-nocache", "transformers", "llama-server")
 
@@ -102,8 +97,7 @@ class Shape:
 
 
 def text_tokens(tokenizer: Tokenizer) -> list[int]:
-    body = TEXT.read_text().split("# ----\n", 1)[-1]
-    return tokenizer.encode(body)
+    return tokenizer.encode(text_body())
 
 
 def cut(pool: list[int], rng: random.Random, length: int) -> list[int]:
@@ -111,15 +105,13 @@ def cut(pool: list[int], rng: random.Random, length: int) -> list[int]:
     return pool[start : start + length]
 
 
-def shared_jobs(
-    pool: list[int], shape: Shape, marker: int, seed: int = 5
-) -> list[tuple[list[int], int]]:
+def shared_jobs(pool: list[int], shape: Shape, marker: int, seed: int = 5) -> list[Job]:
     """`marker` is the system prompt's first token: each round gets its own, so every
     round starts with nothing of its prompts cached, in every system."""
     rng = random.Random(seed)
     system = [marker, *pool[: shape.system - 1]]
     return [
-        (system + cut(pool, rng, rng.randint(*shape.user)), shape.new) for _ in range(shape.jobs)
+        Job(system + cut(pool, rng, rng.randint(*shape.user)), shape.new) for _ in range(shape.jobs)
     ]
 
 
@@ -140,40 +132,25 @@ def chat_messages(
 
 
 @dataclass
-class Timeline:
-    """perf_counter times of one job at the client."""
-
-    submitted: float = 0.0
-    first: float = float("nan")
-    last: float = float("nan")
-    tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int | None = None  # what the system says it took from its cache
-
-
-@dataclass
 class RunResult:
-    timelines: list[Timeline]
+    streams: list[Stream]
     cache_queries: int | None = None
     cache_hits: int | None = None
 
     def summary(self) -> dict[str, Any]:
-        t0 = min(t.submitted for t in self.timelines)
-        end = max(t.last for t in self.timelines)
-        useful = sum(len(t.tokens) for t in self.timelines)
-        ttft = [t.first - t.submitted for t in self.timelines]
+        m = burst_metrics(self.streams)
         hit_rate = None
         if self.cache_queries:
             hit_rate = (self.cache_hits or 0) / self.cache_queries
-        elif all(t.cached_tokens is not None for t in self.timelines):
-            prompt = sum(t.prompt_tokens for t in self.timelines)
-            hit_rate = sum(t.cached_tokens or 0 for t in self.timelines) / max(1, prompt)
+        elif all(s.cached_tokens is not None for s in self.streams):
+            prompt = sum(s.prompt_tokens for s in self.streams)
+            hit_rate = sum(s.cached_tokens or 0 for s in self.streams) / max(1, prompt)
         return {
-            "useful_tokens": useful,
-            "wall_s": end - t0,
-            "tok_s": useful / (end - t0),
-            "ttft_p50_ms": 1000 * pct(ttft, 50),
-            "ttft_p99_ms": 1000 * pct(ttft, 99),
+            "useful_tokens": sum(len(s.tokens) for s in self.streams),
+            "wall_s": m["wall_s"],
+            "tok_s": m["tok_s"],
+            "ttft_p50_ms": 1000 * m["ttft_p50_s"],
+            "ttft_p99_ms": 1000 * m["ttft_p99_s"],
             "cache_hit_rate": hit_rate,
         }
 
@@ -181,7 +158,7 @@ class RunResult:
 class System:
     name: str
 
-    def shared(self, jobs: list[tuple[list[int], int]], tag: str) -> RunResult:
+    def shared(self, jobs: list[Job], tag: str) -> RunResult:
         raise NotImplementedError
 
     def chat(
@@ -189,7 +166,7 @@ class System:
     ) -> RunResult:
         """Every conversation in its own thread: submit a turn, wait for its answer,
         append both to the history, submit the next."""
-        results: list[list[Timeline]] = [[] for _ in convs]
+        results: list[list[Stream]] = [[] for _ in convs]
         errors: list[BaseException] = []
 
         def talk(c: int) -> None:
@@ -211,35 +188,32 @@ class System:
             t.join(TIMEOUT_S)
         if errors:
             raise RuntimeError(f"{self.name} chat failed: {errors[0]!r}")
-        return self.result([t for conv in results for t in conv], before)
+        return self.result([s for conv in results for s in conv], before)
 
-    def one(self, prompt: list[int], new: int, job_id: str) -> Timeline:
+    def one(self, prompt: list[int], new: int, job_id: str) -> Stream:
         raise NotImplementedError
 
     def cache_counters(self) -> tuple[int, int] | None:
         return None
 
-    def result(self, timelines: list[Timeline], before: tuple[int, int] | None) -> RunResult:
+    def result(self, streams: list[Stream], before: tuple[int, int] | None) -> RunResult:
         after = self.cache_counters()
         if before is None or after is None:
-            return RunResult(timelines)
-        return RunResult(timelines, after[0] - before[0], after[1] - before[1])
+            return RunResult(streams)
+        return RunResult(streams, after[0] - before[0], after[1] - before[1])
 
     def close(self) -> None:
         pass
 
 
 class Ours(System):
-    def __init__(
-        self, name: str, url: str, worker_args: list[str], log_dir: Path, log: Callable[[str], None]
-    ) -> None:
+    """One `tokenfleet worker` on a key prefix of its own, a Producer, a follower per job."""
+
+    def __init__(self, name: str, fleet: Fleet, worker_args: list[str], log_dir: Path) -> None:
         self.name = name
-        self.prefix = f"bench-prefix-{name}:"
-        self.workers = LocalWorkers(url, self.prefix, worker_args, log_dir=log_dir)
+        self.workers = fleet.workers(f"bench-prefix-{name}:", worker_args, log_dir=log_dir)
         self.workers.start_one(f"{name}-w")
-        self.client = redis.Redis.from_url(url)
-        self.producer = Producer(self.client, keys=Keys(self.prefix))
-        self.log = log
+        self.producer = fleet.producer(self.workers)
 
     def ready(self) -> None:
         self.workers.wait_live()
@@ -251,79 +225,38 @@ class Ours(System):
         fields = self.workers.settle()[f"{self.name}-w"]
         return int(fields.get("prefix_cache_queries", 0)), int(fields.get("prefix_cache_hits", 0))
 
-    def _follow(self, job_id: str, line: Timeline) -> None:
-        for event in self.producer.handle(job_id).stream(timeout=TIMEOUT_S):
-            now = time.perf_counter()
-            if not line.tokens:
-                line.first = now
-            line.last = now
-            line.tokens.append(event.token_id)
-
-    def _followers(self, ids: list[str], lines: list[Timeline]) -> list[threading.Thread]:
-        threads = [
-            threading.Thread(target=self._follow, args=(j, line), daemon=True)
-            for j, line in zip(ids, lines, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        channels = [self.producer.keys.channel(j) for j in ids]
-        deadline = time.monotonic() + 30
-        while not all(n >= 1 for _, n in self.client.pubsub_numsub(*channels)):
-            if time.monotonic() > deadline:
-                raise TimeoutError("followers did not subscribe")
-            time.sleep(0.005)
-        return threads
-
-    def shared(self, jobs: list[tuple[list[int], int]], tag: str) -> RunResult:
-        ids = [f"{tag}-{i}" for i in range(len(jobs))]
-        lines = [Timeline(prompt_tokens=len(p)) for p, _ in jobs]
-        threads = self._followers(ids, lines)
-        requests = [
-            GenerationRequest(job_id=j, prompt_ids=p, max_new_tokens=n, ignore_eos=True)
-            for j, (p, n) in zip(ids, jobs, strict=True)
-        ]
+    def shared(self, jobs: list[Job], tag: str) -> RunResult:
+        reqs = requests(jobs, tag)
+        followers = follow(self.producer, [r.job_id for r in reqs], TIMEOUT_S)
         before = self.cache_counters()
         now = time.perf_counter()
-        for outcome in self.producer.submit_many(requests):
+        for outcome in self.producer.submit_many(reqs):
             assert outcome.accepted and not outcome.duplicate, outcome
-        for line in lines:
-            line.submitted = now
-        for t in threads:
-            t.join(TIMEOUT_S)
-        return self.result(lines, before)
+        streams = [
+            followers[r.job_id].stream(now, len(j.prompt_ids))
+            for r, j in zip(reqs, jobs, strict=True)
+        ]
+        return self.result(streams, before)
 
-    def one(self, prompt: list[int], new: int, job_id: str) -> Timeline:
-        line = Timeline(prompt_tokens=len(prompt))
-        threads = self._followers([job_id], [line])
-        line.submitted = time.perf_counter()
+    def one(self, prompt: list[int], new: int, job_id: str) -> Stream:
+        followers = follow(self.producer, [job_id], TIMEOUT_S)
+        submitted = time.perf_counter()
         self.producer.submit(prompt_ids=prompt, max_new_tokens=new, ignore_eos=True, job_id=job_id)
-        threads[0].join(TIMEOUT_S)
-        return line
-
-    def close(self) -> None:
-        self.workers.drain()
-        self.client.close()
+        return followers[job_id].stream(submitted, len(prompt))
 
 
 class Transformers(System):
+    """transformers' continuous batching, streaming: a reader thread stamps each
+    request's tokens as the manager hands them out."""
+
     name = "transformers"
 
     def __init__(self, dtype: torch.dtype, max_new: int) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
-
-        path = require_smollm2_gguf()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype
-        ).eval()
-        config = GenerationConfig(
-            max_new_tokens=max_new, do_sample=False, eos_token_id=-1, pad_token_id=0
-        )
-        self.manager = self.model.init_continuous_batching(generation_config=config)
-        self.manager.warmup()
-        self.manager.start()
+        self.cb = HFContinuous(hf_smollm2(dtype), max_new)
+        self.manager = self.cb.manager
         self.prefix_sharing = bool(getattr(self.manager, "_use_prefix_sharing", False))
         self._lock = threading.Lock()
-        self._waiters: dict[str, tuple[Timeline, threading.Event]] = {}
+        self._waiters: dict[str, tuple[Stream, threading.Event]] = {}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._stop = threading.Event()
         self._reader.start()
@@ -343,110 +276,70 @@ class Transformers(System):
                 waiter = self._waiters.get(out.request_id)
             if waiter is None:
                 continue
-            line, done = waiter
-            count = len(out.generated_tokens)
-            if count and not line.tokens:
-                line.first = now
-            if count > len(line.tokens):
-                line.last = now
-                line.tokens = list(out.generated_tokens)
+            stream, done = waiter
+            stream.add(out.generated_tokens[len(stream.tokens) :], now)
             if out.is_finished():
                 if out.error:
                     raise RuntimeError(f"transformers request failed: {out.error}")
-                line.tokens = list(out.generated_tokens)
+                stream.tokens = list(out.generated_tokens)
                 done.set()
 
-    def _add(self, prompt: list[int], new: int, job_id: str) -> tuple[Timeline, threading.Event]:
-        line, done = Timeline(prompt_tokens=len(prompt)), threading.Event()
+    def _add(self, prompt: list[int], new: int, job_id: str) -> tuple[Stream, threading.Event]:
+        stream, done = Stream(prompt_tokens=len(prompt)), threading.Event()
         with self._lock:
-            self._waiters[job_id] = (line, done)
-        line.submitted = time.perf_counter()
+            self._waiters[job_id] = (stream, done)
+        stream.submitted = time.perf_counter()
         self.manager.add_request(prompt, request_id=job_id, max_new_tokens=new, streaming=True)
-        return line, done
+        return stream, done
 
-    def shared(self, jobs: list[tuple[list[int], int]], tag: str) -> RunResult:
-        added = [self._add(p, n, f"{tag}-{i}") for i, (p, n) in enumerate(jobs)]
+    def shared(self, jobs: list[Job], tag: str) -> RunResult:
+        added = [self._add(j.prompt_ids, j.max_new, f"{tag}-{i}") for i, j in enumerate(jobs)]
         now = time.perf_counter()
-        for line, done in added:
-            line.submitted = now
+        for stream, done in added:
+            stream.submitted = now
             if not done.wait(TIMEOUT_S):
                 raise TimeoutError("transformers did not finish")
-        return RunResult([line for line, _ in added])
+        return RunResult([stream for stream, _ in added])
 
-    def one(self, prompt: list[int], new: int, job_id: str) -> Timeline:
-        line, done = self._add(prompt, new, job_id)
+    def one(self, prompt: list[int], new: int, job_id: str) -> Stream:
+        stream, done = self._add(prompt, new, job_id)
         if not done.wait(TIMEOUT_S):
             raise TimeoutError("transformers did not finish")
-        return line
+        return stream
 
     def close(self) -> None:
         self._stop.set()
-        self.manager.stop(block=True, timeout=10)
+        self.cb.close()
 
 
 class LlamaServer(System):
+    """llama-server with its prompt cache: -np 16 for the shared burst, one slot per
+    conversation for the chat."""
+
     name = "llama-server"
 
     def __init__(self, bin_dir: Path, threads: int, shape: Shape, log_dir: Path) -> None:
         model = require_smollm2_gguf()
         shared_ctx = shape.system + shape.user[1] + shape.new + 16
         chat_ctx = shape.chat_system + shape.turns * (shape.chat_user[1] + shape.chat_new) + 16
+        slots = {"shared": (16, shared_ctx), "chat": (shape.conversations, chat_ctx)}
         self.servers = {
-            "shared": Server(
-                bin_dir, model, threads, 16, shared_ctx, log_dir / "shared.log", prompt_cache=True
-            ),
-            "chat": Server(
-                bin_dir,
-                model,
-                threads,
-                shape.conversations,
-                chat_ctx,
-                log_dir / "chat.log",
-                prompt_cache=True,
-            ),
-        }
-        self._current = self.servers["chat"]
-
-    def _timeline(self, server: Server, prompt: list[int], new: int, submitted: float) -> Timeline:
-        got = server.stream(prompt, new, submitted)
-        return Timeline(
-            submitted=submitted,
-            first=submitted + got.first,
-            last=submitted + got.last,
-            tokens=got.tokens,
-            prompt_tokens=len(prompt),
-            cached_tokens=got.cached_tokens,
-        )
-
-    def shared(self, jobs: list[tuple[list[int], int]], tag: str) -> RunResult:
-        server = self.servers["shared"]
-        out: list[Timeline | BaseException | None] = [None] * len(jobs)
-        go = threading.Barrier(len(jobs) + 1)
-        t0: list[float] = []
-
-        def send(i: int) -> None:
-            go.wait()
-            try:
-                out[i] = self._timeline(server, jobs[i][0], jobs[i][1], t0[0])
-            except BaseException as exc:
-                out[i] = exc
-
-        threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        t0.append(time.perf_counter())
-        go.wait()
-        for t in threads:
-            t.join(TIMEOUT_S)
-        lines = [x for x in out if isinstance(x, Timeline)]
-        if len(lines) != len(jobs):
-            raise RuntimeError(
-                f"llama-server failed: {[x for x in out if not isinstance(x, Timeline)][:1]}"
+            name: Server(
+                bin_dir, model, threads, n, ctx, log_dir / f"{name}.log", prompt_cache=True
             )
-        return RunResult(lines)
+            for name, (n, ctx) in slots.items()
+        }
 
-    def one(self, prompt: list[int], new: int, job_id: str) -> Timeline:
-        return self._timeline(self.servers["chat"], prompt, new, time.perf_counter())
+    def shared(self, jobs: list[Job], tag: str) -> RunResult:
+        streams = self.servers["shared"].burst(jobs)
+        for stream, job in zip(streams, jobs, strict=True):
+            stream.prompt_tokens = len(job.prompt_ids)
+        return RunResult(streams)
+
+    def one(self, prompt: list[int], new: int, job_id: str) -> Stream:
+        stream = self.servers["chat"].stream(prompt, new, time.perf_counter())
+        stream.prompt_tokens = len(prompt)
+        return stream
 
     def close(self) -> None:
         for server in self.servers.values():
@@ -458,78 +351,38 @@ class LlamaServer(System):
 
 def medians(rounds: list[dict[str, Any]], system: str, workload: str) -> dict[str, Any]:
     got = [r[system][workload] for r in rounds if system in r]
-    keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms")
-    out: dict[str, Any] = {k: spread([g[k] for g in got]) for k in keys}
+    out: dict[str, Any] = spreads(got, ("tok_s", "ttft_p50_ms", "ttft_p99_ms"))
     rates = [g["cache_hit_rate"] for g in got if g["cache_hit_rate"] is not None]
     out["cache_hit_rate"] = statistics.median(rates) if rates else None
     return out
 
 
-# (label, system a, system b, workload, metric, target, higher is better): a / b
-TARGETS = [
-    (
-        "shared: tok/s cache / no cache >= 3",
-        "ours-cache",
-        "ours-nocache",
-        "shared",
-        "tok_s",
-        3.0,
-        True,
-    ),
-    (
-        "shared: TTFT p50 cache / no cache <= 0.25",
-        "ours-cache",
+# label: (system b, workload, metric, target, higher is better), for ours-cache / b
+TARGETS: dict[str, tuple[str, str, str, float, bool]] = {
+    "shared: tok/s cache / no cache >= 3": ("ours-nocache", "shared", "tok_s", 3.0, True),
+    "shared: TTFT p50 cache / no cache <= 0.25": (
         "ours-nocache",
         "shared",
         "ttft_p50_ms",
         0.25,
         False,
     ),
-    ("chat: tok/s cache / no cache >= 2", "ours-cache", "ours-nocache", "chat", "tok_s", 2.0, True),
-    (
-        "shared: tok/s ours / llama-server > 1",
-        "ours-cache",
-        "llama-server",
-        "shared",
-        "tok_s",
-        1.0,
-        True,
-    ),
-    (
-        "chat: tok/s ours / llama-server > 1",
-        "ours-cache",
-        "llama-server",
-        "chat",
-        "tok_s",
-        1.0,
-        True,
-    ),
-    (
-        "shared: tok/s ours / transformers > 1",
-        "ours-cache",
-        "transformers",
-        "shared",
-        "tok_s",
-        1.0,
-        True,
-    ),
-    (
-        "chat: tok/s ours / transformers > 1",
-        "ours-cache",
-        "transformers",
-        "chat",
-        "tok_s",
-        1.0,
-        True,
-    ),
-]
+    "chat: tok/s cache / no cache >= 2": ("ours-nocache", "chat", "tok_s", 2.0, True),
+    "shared: tok/s ours / llama-server > 1": ("llama-server", "shared", "tok_s", 1.0, True),
+    "chat: tok/s ours / llama-server > 1": ("llama-server", "chat", "tok_s", 1.0, True),
+    "shared: tok/s ours / transformers > 1": ("transformers", "shared", "tok_s", 1.0, True),
+    "chat: tok/s ours / transformers > 1": ("transformers", "chat", "tok_s", 1.0, True),
+}
 
 
 def verdicts(summary: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    for label, a, b, workload, metric, target, higher in TARGETS:
+    for label, (b, workload, metric, target, higher) in TARGETS.items():
         try:
-            r = summary[a][workload][metric]["median"] / summary[b][workload][metric]["median"]
+            r = (
+                summary["ours-cache"][workload][metric]["median"]
+                / summary[b][workload][metric]["median"]
+            )
         except KeyError:  # a system that did not run
             rows.append({"target": label, "measured": None, "met": None})
             continue
@@ -547,9 +400,7 @@ def render(report: dict[str, Any]) -> str:
             rows.append(
                 [
                     system,
-                    f"{s['tok_s']['median']:.1f}",
-                    f"{s['tok_s']['min']:.1f}",
-                    f"{s['tok_s']['max']:.1f}",
+                    *spread_cells(s["tok_s"]),
                     f"{s['ttft_p50_ms']['median']:.0f}",
                     f"{s['ttft_p99_ms']['median']:.0f}",
                     "-" if rate is None else f"{100 * rate:.1f}%",
@@ -585,40 +436,30 @@ def render(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    systems = list(report["summary"])
-    for ax, workload in zip(axes, ("shared", "chat"), strict=True):
-        vals = [report["summary"][s][workload]["tok_s"]["median"] for s in systems]
-        lo = [
-            v - report["summary"][s][workload]["tok_s"]["min"]
-            for s, v in zip(systems, vals, strict=True)
-        ]
-        hi = [
-            report["summary"][s][workload]["tok_s"]["max"] - v
-            for s, v in zip(systems, vals, strict=True)
-        ]
-        ax.bar(systems, vals, yerr=[lo, hi], color=["#2a7", "#999", "#c84", "#48c"][: len(systems)])
-        ax.set_title(f"{workload}: useful tok/s (median, min-max)")
-        ax.tick_params(axis="x", rotation=20)
-    save_figure(fig, path)
+    with figure(path, 1, 2, figsize=(11, 4)) as axes:
+        systems = list(report["summary"])
+        for ax, workload in zip(axes, ("shared", "chat"), strict=True):
+            medians, errors = spread_errors(
+                [report["summary"][s][workload]["tok_s"] for s in systems]
+            )
+            colors = ["#2a7", "#999", "#c84", "#48c"][: len(systems)]
+            ax.bar(systems, medians, yerr=errors, color=colors)
+            ax.set_title(f"{workload}: useful tok/s (median, min-max)")
+            ax.tick_params(axis="x", rotation=20)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--llamacpp-bin")
-    parser.add_argument("--out", default="bench/out/prefix_cache.json")
-    parser.add_argument("--plot", default="docs/img/prefix_cache.png")
-    args = parser.parse_args()
-    started = time.perf_counter()
-    log = progress(started)
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--llamacpp-bin")
+    outputs(p, "prefix_cache")
+    args = p.parse_args()
     torch.set_num_threads(args.threads)
-    machine = machine_info()
+    run = Run()
     shape = Shape.quick() if args.quick else Shape()
     wanted = args.systems.split(",")
     from tokenfleet.model import load_model
@@ -626,21 +467,23 @@ def main() -> None:
     loaded = load_model(PRESET, dtype=args.dtype)
     assert loaded.tokenizer is not None
     pool = text_tokens(loaded.tokenizer)
-    dtype = loaded.dtype
+    dtype, cfg = loaded.dtype, loaded.config
     del loaded
     # a fresh first token per round (and for the warm-up): cold caches in every round
     markers = list(dict.fromkeys(pool))[1 : args.rounds + 2]  # distinct token ids
     jobs = shared_jobs(pool, shape, markers[-1])
-    log(f"{len(pool)} text tokens; dtype {dtype}; systems {wanted}")
+    run.log(f"{len(pool)} text tokens; dtype {dtype}; systems {wanted}")
 
-    server = EmbeddedRedis.start()
     logs = Path(tempfile.mkdtemp(prefix="tokenfleet-prefix-"))
     systems: list[System] = []
     skipped: dict[str, str] = {}
+    fleet = Fleet()
     try:
-        kv_mb = max(
-            256, 2 * shape.jobs * (shape.system + shape.user[1] + shape.new) * 23_040 // 2**20
-        )
+        # room for twice the shared burst in bf16 K/V, whatever --dtype: the budget the
+        # published figures were measured with
+        per_token = kv_bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2)
+        tokens = shape.jobs * (shape.system + shape.user[1] + shape.new)
+        kv_mb = max(256, 2 * tokens * per_token // 2**20)
         base = [
             *("--model", PRESET, "--device", "cpu", "--dtype", args.dtype),
             *("--threads", str(args.threads), "--kv-mb", str(kv_mb)),
@@ -649,31 +492,31 @@ def main() -> None:
         ]
         for name, flag in (("ours-cache", "--prefix-cache"), ("ours-nocache", "--no-prefix-cache")):
             if name in wanted:
-                systems.append(Ours(name, server.url, [*base, flag], logs, log))
+                systems.append(Ours(name, fleet, [*base, flag], logs))
         for s in systems:
             assert isinstance(s, Ours)
             s.ready()
         if "transformers" in wanted:
-            log("transformers: loading, continuous batching warm-up")
+            run.log("transformers: loading, continuous batching warm-up")
             hf = Transformers(dtype, max(shape.new, shape.chat_new))
             systems.append(hf)
-            log(f"transformers prefix sharing: {hf.prefix_sharing}")
+            run.log(f"transformers prefix sharing: {hf.prefix_sharing}")
         llama_version = None
         if "llama-server" in wanted:
-            bin_dir, why = find_llamacpp(args.llamacpp_bin, log)
+            bin_dir, why = find_llamacpp(args.llamacpp_bin, run.log)
             if bin_dir is None:
                 skipped["llama-server"] = why
-                log(f"llama-server skipped: {why}")
+                run.log(f"llama-server skipped: {why}")
             else:
                 llama_version = llamacpp_version(bin_dir)
                 systems.append(LlamaServer(bin_dir, args.threads, shape, logs))
         for s in systems:  # warm every path once, untimed
             s.shared(jobs[:4], "warm-s")
-            s.one(jobs[0][0][:40], 4, "warm-one")
+            s.one(jobs[0].prompt_ids[:40], 4, "warm-one")
         rounds: list[dict[str, Any]] = []
         meta: list[dict[str, Any]] = []
         for r in range(args.rounds):
-            order = systems[r % len(systems) :] + systems[: r % len(systems)]
+            order = rotated(systems, r)
             got: dict[str, Any] = {}
             load_before = load_now()
             for s in order:
@@ -682,7 +525,7 @@ def main() -> None:
                 shared = s.shared(round_jobs, f"r{r}-shared").summary()
                 chat = s.chat(chat_system, convs, shape.chat_new, f"r{r}-chat").summary()
                 got[s.name] = {"shared": shared, "chat": chat}
-                log(
+                run.log(
                     f"round {r} {s.name:13s} shared {shared['tok_s']:7.1f} tok/s "
                     f"TTFT p50 {shared['ttft_p50_ms']:6.0f} ms | chat {chat['tok_s']:6.1f} tok/s "
                     f"TTFT p50 {chat['ttft_p50_ms']:5.0f} ms | cached "
@@ -693,37 +536,31 @@ def main() -> None:
         summary = {
             s.name: {w: medians(rounds, s.name, w) for w in ("shared", "chat")} for s in systems
         }
-        report = {
-            "machine": mark_end(machine),
-            "model": PRESET,
-            "dtype": str(dtype),
-            "threads": args.threads,
-            "shape": shape.__dict__,
-            "workloads": {
+        report = run.report(
+            model=PRESET,
+            dtype=str(dtype),
+            threads=args.threads,
+            shape=shape.__dict__,
+            workloads={
                 "shared": f"{shape.jobs} jobs at once, {shape.system}-token shared system prompt + "
                 f"{shape.user[0]}-{shape.user[1]} unique, {shape.new} new",
                 "chat": f"{shape.conversations} conversations x {shape.turns} turns, system "
                 f"{shape.chat_system}, user {shape.chat_user[0]}-{shape.chat_user[1]}, "
                 f"{shape.chat_new} new per turn",
             },
-            "worker_args": base,
-            "transformers_prefix_sharing": next(
+            worker_args=base,
+            transformers_prefix_sharing=next(
                 (s.prefix_sharing for s in systems if isinstance(s, Transformers)), None
             ),
-            "llamacpp": llama_version,
-            "skipped": skipped,
-            "rounds": rounds,
-            "rounds_meta": meta,
-            "summary": summary,
-        }
-        report["verdicts"] = verdicts(summary)
-        report["wall_s"] = time.perf_counter() - started
+            llamacpp=llama_version,
+            skipped=skipped,
+            rounds=rounds,
+            rounds_meta=meta,
+            summary=summary,
+            verdicts=verdicts(summary),
+        )
         text = render(report)
-        print(text)
-        out = write_report(Path(args.out), report, text)
-        if args.plot:
-            plot(report, Path(args.plot))
-        print(wrote(out, args.plot, report["wall_s"]))
+        run.finish(args, report, text, partial(plot, report), table=text)
     except BaseException:
         for s in systems:
             if isinstance(s, Ours):
@@ -732,7 +569,7 @@ def main() -> None:
     finally:
         for s in systems:
             s.close()
-        server.stop()
+        fleet.close()
 
 
 if __name__ == "__main__":

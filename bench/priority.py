@@ -27,45 +27,41 @@ median and worst interactive wait.
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import redis
+from _common import random_request
+from _fleet import Fleet
+from _rounds import abba, wait_until
 from report import (
+    Run,
+    figure,
     load_now,
-    machine_info,
-    mark_end,
-    markdown_table,
+    markdown_text,
+    outputs,
+    parser,
     pct,
-    pyplot,
-    save_figure,
-    spread,
-    write_report,
-    wrote,
+    spread_cell,
+    spreads,
 )
 
-from tokenfleet.local import EmbeddedRedis, LocalWorkers
+from tokenfleet.local import LocalWorkers
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest
 
 PREFIX = "bench-priority:"
-BASELINE_PREFIX = "bench-priority-base:"
 INTERACTIVE = 8
 TIMEOUT_S = 600.0
+FIELDS = ("wait_p50_s", "wait_max_s", "ttft_p50_s", "flood_tok_s")
 
 
 def flood(tag: str, n: int, priority: str, rng: random.Random) -> list[GenerationRequest]:
     return [
-        GenerationRequest(
-            job_id=f"{tag}-batch-{i}",
-            prompt_ids=[rng.randrange(1000, 20000) for _ in range(rng.randint(24, 64))],
-            max_new_tokens=24,
-            ignore_eos=True,
-            priority=priority,  # type: ignore[arg-type]
-            tenant="pipeline",
+        random_request(
+            f"{tag}-batch-{i}", rng.randint(24, 64), 24, rng, priority=priority, tenant="pipeline"
         )
         for i in range(n)
     ]
@@ -78,13 +74,7 @@ def preemptions(workers: LocalWorkers) -> int:
 
 
 def one_round(
-    producer: Producer,
-    client: redis.Redis,
-    workers: LocalWorkers,
-    tag: str,
-    n: int,
-    bands: bool,
-    seed: int,
+    producer: Producer, workers: LocalWorkers, tag: str, n: int, bands: bool, seed: int
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     variant = "bands" if bands else "fifo"
@@ -95,24 +85,20 @@ def one_round(
     started = time.perf_counter()
     for outcome in producer.submit_many(jobs):
         assert outcome.accepted, outcome
-    keys = producer.keys
-    # until the worker is busy with the flood (16 started)
-    deadline = time.monotonic() + TIMEOUT_S
-    while sum(1 for j in jobs[:32] if client.hget(keys.job(j.job_id), "started_at")) < 16:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the worker did not start the flood")
-        time.sleep(0.01)
+    keys, client = producer.keys, producer.redis
+
+    def busy() -> bool:  # the worker is busy with the flood: 16 started
+        return sum(1 for j in jobs[:32] if client.hget(keys.job(j.job_id), "started_at")) >= 16
+
+    if not wait_until(busy, TIMEOUT_S):
+        raise TimeoutError("the worker did not start the flood")
     handles = []
     for k in range(INTERACTIVE):
-        request = GenerationRequest(
-            job_id=f"{tag}-interactive-{k}",
-            prompt_ids=[rng.randrange(1000, 20000) for _ in range(32)],
-            max_new_tokens=16,
-            ignore_eos=True,
-            priority="interactive" if bands else "default",
-            tenant="chat",
+        priority = "interactive" if bands else "default"
+        job_id = f"{tag}-interactive-{k}"
+        handles.append(
+            producer.submit(random_request(job_id, 32, 16, rng, priority=priority, tenant="chat"))
         )
-        handles.append(producer.submit(request))
         time.sleep(0.5)  # the arrival process, not a synchronisation
     waits, ttfts = [], []
     for handle in handles:
@@ -139,55 +125,58 @@ def one_round(
     }
 
 
+def plot(runs: dict[str, list[dict[str, Any]]], flood: int, path: Path) -> None:
+    with figure(path, figsize=(5.5, 3.5)) as ax:
+        labels = {
+            "bands": "bands (interactive over batch)",
+            "fifo": "one FIFO band",
+            "baseline": "bands, baseline tree",
+        }
+        colors = {"bands": "#2a7", "fifo": "#999", "baseline": "#27a"}
+        for i, variant in enumerate(runs):
+            waits = [w * 1000 for x in runs[variant] for w in x["interactive_wait_s"]]
+            ax.scatter(
+                [i + random.uniform(-0.15, 0.15) for _ in waits], waits, color=colors[variant], s=12
+            )
+        ax.set_xticks(list(range(len(runs))), [labels[v] for v in runs])
+        ax.set_yscale("log")
+        ax.set_ylabel("interactive queue wait, ms (log)")
+        ax.set_title(f"{INTERACTIVE} interactive jobs beside a {flood}-job batch flood")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--flood", type=int, default=120)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--baseline", type=Path, default=None, help="another checkout")
-    parser.add_argument("--variants", default="bands,fifo")
-    parser.add_argument("--out", default="bench/out/priority.json")
-    parser.add_argument("--plot", default="docs/img/priority.png")
-    args = parser.parse_args()
-    machine = machine_info()
-    started = time.perf_counter()
-    embedded = EmbeddedRedis.start()
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--flood", type=int, default=120)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--baseline", type=Path, default=None, help="another checkout")
+    p.add_argument("--variants", default="bands,fifo")
+    outputs(p, "priority")
+    args = p.parse_args()
+    run = Run()
     log_dir = Path(args.out).parent / "priority-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     worker_args = ["--model", args.model, "--threads", str(args.threads), "--max-active", "16"]
     variants = [v for v in args.variants.split(",") if v]
-    fleets = {"": LocalWorkers(embedded.url, PREFIX, worker_args, log_dir=log_dir)}
-    if args.baseline is not None:
-        variants.append("baseline")
-        tree = str(args.baseline.resolve())
-        fleets["baseline"] = LocalWorkers(
-            embedded.url,
-            BASELINE_PREFIX,
-            worker_args,
-            log_dir=log_dir,
-            env={"PYTHONPATH": tree},
-            cwd=Path(tree),
-        )
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    try:
-        client = redis.Redis.from_url(embedded.url)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with Fleet() as fleet:
+        fleets = fleet.sides(PREFIX, worker_args, args.baseline, log_dir)
+        variants += ["baseline"] if "baseline" in fleets else []
+        runs = {v: [] for v in variants}
         producers = {}
-        for name, fleet in fleets.items():
-            fleet.start_one(f"priority-w{'-' + name if name else ''}")
-            fleet.wait_live()
-            producers[name] = Producer(client, keys=fleet.keys, default_cap=10_000)
+        for name, workers in fleets.items():
+            workers.start_one(f"priority-w-{name.replace(' ', '-')}")
+            workers.wait_live()
+            producers[name] = fleet.producer(workers)
             warm = producers[name].submit(prompt_ids=[1, 2, 3], max_new_tokens=4, job_id="warm")
             warm.result(60)
         for r in range(args.rounds):
-            order = variants if r % 2 == 0 else variants[::-1]
-            for k, variant in enumerate(order):
-                tag = f"r{r}-{variant}"
+            for k, variant in enumerate(abba(variants, r)):
                 seed = 3 * r + k  # fresh prompts: none found in the prefix cache
-                side = "baseline" if variant == "baseline" else ""
-                got = one_round(
-                    producers[side], client, fleets[side], tag, args.flood, variant != "fifo", seed
-                )
+                side = "baseline" if variant == "baseline" else "this tree"
+                bands = variant != "fifo"
+                tag = f"r{r}-{variant}"
+                got = one_round(producers[side], fleets[side], tag, args.flood, bands, seed)
                 runs[got["variant"]].append(got)
                 print(
                     f"round {r} {got['variant']:5s} wait p50 {got['wait_p50_s'] * 1000:8.1f} ms "
@@ -197,27 +186,14 @@ def main() -> None:
                     f"load {got['load']['loadavg'][0]:.2f}",
                     flush=True,
                 )
-    finally:
-        for fleet in fleets.values():
-            fleet.drain()
-        embedded.stop()
-    summary = {
-        v: {
-            field: spread([x[field] for x in rs])
-            for field in ("wait_p50_s", "wait_max_s", "ttft_p50_s", "flood_tok_s")
-        }
-        for v, rs in runs.items()
-    }
+    summary = {v: spreads(rs, FIELDS) for v, rs in runs.items()}
     rows = [
         [
             v,
-            f"{s['wait_p50_s']['median'] * 1000:.0f} ({s['wait_p50_s']['min'] * 1000:.0f}–"
-            f"{s['wait_p50_s']['max'] * 1000:.0f})",
-            f"{s['wait_max_s']['median'] * 1000:.0f} ({s['wait_max_s']['min'] * 1000:.0f}–"
-            f"{s['wait_max_s']['max'] * 1000:.0f})",
+            spread_cell(s["wait_p50_s"], ".0f", 1000),
+            spread_cell(s["wait_max_s"], ".0f", 1000),
             f"{s['ttft_p50_s']['median'] * 1000:.0f}",
-            f"{s['flood_tok_s']['median']:.1f} ({s['flood_tok_s']['min']:.1f}–"
-            f"{s['flood_tok_s']['max']:.1f})",
+            spread_cell(s["flood_tok_s"], ".1f"),
         ]
         for v, s in summary.items()
     ]
@@ -228,39 +204,17 @@ def main() -> None:
         "TTFT p50 ms",
         "flood tok/s",
     ]
-    text = "\n".join(markdown_table(headers, rows)) + "\n"
-    print(text)
-    report = {
-        "machine": mark_end(machine),
-        "model": args.model,
-        "threads": args.threads,
-        "flood": args.flood,
-        "baseline": None if args.baseline is None else str(args.baseline),
-        "interactive": INTERACTIVE,
-        "runs": runs,
-        "summary": summary,
-        "wall_s": time.perf_counter() - started,
-    }
-    out = write_report(Path(args.out), report, text)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    labels = {
-        "bands": "bands (interactive over batch)",
-        "fifo": "one FIFO band",
-        "baseline": "bands, baseline tree",
-    }
-    colors = {"bands": "#2a7", "fifo": "#999", "baseline": "#27a"}
-    for i, variant in enumerate(variants):
-        waits = [w * 1000 for x in runs[variant] for w in x["interactive_wait_s"]]
-        ax.scatter(
-            [i + random.uniform(-0.15, 0.15) for _ in waits], waits, color=colors[variant], s=12
-        )
-    ax.set_xticks(list(range(len(variants))), [labels[v] for v in variants])
-    ax.set_yscale("log")
-    ax.set_ylabel("interactive queue wait, ms (log)")
-    ax.set_title(f"{INTERACTIVE} interactive jobs beside a {args.flood}-job batch flood")
-    save_figure(fig, Path(args.plot))
-    print(wrote(out, args.plot, report["wall_s"]))
+    text = markdown_text(headers, rows)
+    report = run.report(
+        model=args.model,
+        threads=args.threads,
+        flood=args.flood,
+        baseline=None if args.baseline is None else str(args.baseline),
+        interactive=INTERACTIVE,
+        runs=runs,
+        summary=summary,
+    )
+    run.finish(args, report, text, partial(plot, runs, args.flood), table=text)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""What every benchmark reports the same way: where and under what load it ran, summaries
-of repeated measurements, tables for the terminal and for docs/benchmarks.md, the JSON
-(and .md) it writes, and its matplotlib figures.
+"""What every benchmark reports the same way: where and under what load it ran (`Run`),
+summaries of repeated measurements, tables for the terminal and for docs/benchmarks-history.md,
+its command line's output flags, the JSON (and .md) it writes, and its matplotlib figures.
 
 Imports nothing heavy: the gateway benchmark, which never loads torch, uses it too.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import math
@@ -15,7 +16,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,8 @@ def load_now() -> dict[str, Any]:
     return {"loadavg": loadavg(), "cpu_pressure_avg60": pressure}
 
 
-def _version(package: str) -> str | None:
+def package_version(package: str) -> str | None:
+    """The installed version of `package` (from its metadata: nothing is imported)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -64,8 +67,8 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads() if torch is not None else None,
-        "torch": _version("torch"),
-        "transformers": _version("transformers"),
+        "torch": package_version("torch"),
+        "transformers": package_version("transformers"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -90,6 +93,45 @@ def progress(started: float | None = None) -> Callable[[str], None]:
         print(f"[{time.perf_counter() - t0:6.1f}s] {message}", flush=True)
 
     return log
+
+
+class Run:
+    """One benchmark run: the machine when it started, its clock and its progress log.
+
+    Made after the caller set torch's threads (`machine_info` reads them)."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.machine = machine_info()
+        self.log = progress(self.started)
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.started
+
+    def report(self, **fields: Any) -> dict[str, Any]:
+        """`fields` after "machine" (with the load now) and before "wall_s" (so far)."""
+        return {"machine": mark_end(self.machine), **fields, "wall_s": self.wall_s}
+
+    def finish(
+        self,
+        args: argparse.Namespace,
+        report: dict[str, Any],
+        markdown: str | None = None,
+        plot: Callable[[Path], None] | None = None,
+        table: str | None = None,
+    ) -> Path:
+        """The end of the run: `table` printed, the report written to --out (and its
+        markdown beside it), the figure drawn when --plot names a file, the closing line
+        printed."""
+        if table is not None:
+            print(table)
+        out = write_report(Path(args.out), report, markdown)
+        plot_path = getattr(args, "plot", None) if plot is not None else None
+        if plot is not None and plot_path:
+            plot(Path(plot_path))
+        print(wrote(out, plot_path or None, report["wall_s"], markdown is not None))
+        return out
 
 
 # ---- summaries ------------------------------------------------------------------------
@@ -117,6 +159,11 @@ def spread(values: Sequence[float]) -> dict[str, float | int]:
     }
 
 
+def spreads(records: Sequence[Mapping[str, Any]], fields: Iterable[str]) -> dict[str, Any]:
+    """`spread` of each field over the records (one record per round)."""
+    return {f: spread([r[f] for r in records]) for f in fields}
+
+
 def mean_or_none(values: Iterable[float | None]) -> float | None:
     """The mean, or None when any value is missing (a counter some run could not read)."""
     got = list(values)
@@ -138,6 +185,21 @@ def num(value: float | None, fmt: str = ".3f") -> str:
     return "n/a" if value is None or math.isnan(value) else format(value, fmt)
 
 
+def spread_cells(
+    stats: Mapping[str, float] | None, fmt: str = ".1f", scale: float = 1.0
+) -> list[str]:
+    """A spread's median, min and max (times `scale`) as three cells; 'n/a' when unknown."""
+    if stats is None:
+        return ["n/a"] * 3
+    return [num(stats[k] * scale, fmt) for k in ("median", "min", "max")]
+
+
+def spread_cell(stats: Mapping[str, float], fmt: str = ".3g", scale: float = 1.0) -> str:
+    """A spread as one cell: 'median (min–max)'."""
+    median, low, high = spread_cells(stats, fmt, scale)
+    return f"{median} ({low}–{high})"
+
+
 def markdown_table(
     header: Sequence[str], rows: Iterable[Sequence[object]], align: str | None = None
 ) -> list[str]:
@@ -151,6 +213,11 @@ def markdown_table(
         assert len(row) == len(header), row
         lines.append("| " + " | ".join(str(cell) for cell in row) + " |")
     return lines
+
+
+def markdown_text(header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """A markdown table as text, ending in a newline."""
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def text_table(
@@ -169,7 +236,19 @@ def text_table(
     ]
 
 
-# ---- files ----------------------------------------------------------------------------
+# ---- command line and files ------------------------------------------------------------
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser, its description the first paragraph of the script's docstring."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0])
+
+
+def outputs(parser: argparse.ArgumentParser, name: str, plot: bool = True) -> None:
+    """--out bench/out/NAME.json and (with `plot`) --plot docs/img/NAME.png."""
+    parser.add_argument("--out", default=f"bench/out/{name}.json")
+    if plot:
+        parser.add_argument("--plot", default=f"docs/img/{name}.png")
 
 
 def write_json(path: Path, data: Any) -> Path:
@@ -203,9 +282,29 @@ def pyplot() -> Any:
     return plt
 
 
+def spread_errors(
+    stats: Sequence[Mapping[str, float]],
+) -> tuple[list[float], list[list[float]]]:
+    """Medians and their [below, above] distances to min and max: a bar chart's values
+    and its yerr (xerr)."""
+    medians = [s["median"] for s in stats]
+    low = [m - s["min"] for m, s in zip(medians, stats, strict=True)]
+    high = [s["max"] - m for m, s in zip(medians, stats, strict=True)]
+    return medians, [low, high]
+
+
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
     """Lay out, save (parent folders made) and close a figure."""
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+@contextmanager
+def figure(path: Path, *grid: int, **options: Any) -> Iterator[Any]:
+    """The axes of `pyplot.subplots(*grid, **options)` (their `.figure` is the figure),
+    saved to `path` at the end."""
+    fig, axes = pyplot().subplots(*grid, **options)
+    yield axes
+    save_figure(fig, path)

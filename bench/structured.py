@@ -18,28 +18,30 @@ alternate which variant goes first; min / median / max of useful tok/s. Target
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import mixed_jobs
+from _common import mixed_workload, requests
+from _engine import steps, submit_all
+from _rounds import abba
 from report import (
+    Run,
+    figure,
     load_now,
-    machine_info,
-    mark_end,
-    markdown_table,
-    pyplot,
-    save_figure,
+    markdown_text,
+    outputs,
+    parser,
     spread,
-    write_report,
-    wrote,
+    spread_cells,
+    spread_errors,
 )
 
 from tokenfleet.model import load_model
-from tokenfleet.protocol import GenerationRequest, SamplingParams, Structured
+from tokenfleet.protocol import SamplingParams, Structured
 from tokenfleet.worker.engine import Engine, EngineConfig
 
 SCHEMA = {
@@ -58,24 +60,14 @@ SCHEMA = {
 }
 
 
-def run(loaded: Any, jobs: list[Any], schema: bool) -> dict[str, Any]:
+def one_run(loaded: Any, jobs: list[Any], schema: bool) -> dict[str, Any]:
     eng = Engine(loaded, EngineConfig(max_active=32, max_batch_size=32, max_waiting=32))
     structured = Structured(kind="json_schema", value=json.dumps(SCHEMA)) if schema else None
-    for i, job in enumerate(jobs):
-        request = GenerationRequest(
-            job_id=f"j{i}",
-            prompt_ids=job.prompt_ids,
-            max_new_tokens=job.max_new,
-            ignore_eos=True,
-            sampling=SamplingParams(temperature=0.0),
-            structured=structured,
-        )
-        assert eng.submit(request).accepted
-    started = time.perf_counter()
+    submit_all(eng, requests(jobs, sampling=SamplingParams(temperature=0.0), structured=structured))
     tokens = 0
     reasons: dict[str, int] = {}
-    while eng.has_work:
-        out = eng.step()
+    started = time.perf_counter()
+    for out in steps(eng):
         tokens += len(out.tokens)
         for f in out.finished:
             reasons[str(f.result.finish_reason)] = reasons.get(str(f.result.finish_reason), 0) + 1
@@ -83,26 +75,31 @@ def run(loaded: Any, jobs: list[Any], schema: bool) -> dict[str, Any]:
     return {"tokens": tokens, "wall_s": wall, "tok_s": tokens / wall, "finish": reasons}
 
 
+def plot(summary: dict[str, Any], title: str, path: Path) -> None:
+    with figure(path, figsize=(5, 3.5)) as ax:
+        medians, errors = spread_errors(list(summary.values()))
+        ax.bar(list(summary), medians, yerr=errors, color=["#999", "#2a7"])
+        ax.set_ylabel("useful tok/s (median, min-max)")
+        ax.set_title(title)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench/out/structured.json")
-    parser.add_argument("--plot", default="docs/img/structured.png")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--threads", type=int, default=2)
+    outputs(p, "structured")
+    args = p.parse_args()
     torch.set_num_threads(args.threads)
-    machine = machine_info()
-    started = time.perf_counter()
+    run = Run()
     loaded = load_model(args.model, dtype="auto")
-    jobs = mixed_jobs(16, (8, 64), (16, 96), loaded.config.vocab_size, seed=2)
-    run(loaded, jobs[:4], True)  # warm-up: the grammar tokenizer, the first compile
-    run(loaded, jobs[:4], False)
+    jobs = mixed_workload(loaded.config.vocab_size)
+    one_run(loaded, jobs[:4], True)  # warm-up: the grammar tokenizer, the first compile
+    one_run(loaded, jobs[:4], False)
     runs: dict[str, list[dict[str, Any]]] = {"plain": [], "schema": []}
     for r in range(args.rounds):
-        order = ("plain", "schema") if r % 2 == 0 else ("schema", "plain")
-        for variant in order:
-            got = run(loaded, jobs, variant == "schema")
+        for variant in abba(("plain", "schema"), r):
+            got = one_run(loaded, jobs, variant == "schema")
             got["load"] = load_now()
             runs[variant].append(got)
             print(
@@ -113,42 +110,21 @@ def main() -> None:
     summary = {v: spread([x["tok_s"] for x in rs]) for v, rs in runs.items()}
     ratio = summary["schema"]["median"] / summary["plain"]["median"]
     tokens_equal = {x["tokens"] for x in runs["plain"]} == {x["tokens"] for x in runs["schema"]}
-    rows = [
-        [v, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}"] for v, s in summary.items()
-    ]
-    text = "\n".join(markdown_table(["variant", "tok/s med", "min", "max"], rows))
-    text += f"\n\nschema / plain (medians): {ratio:.3f}; same tokens generated: {tokens_equal}\n"
-    print(text)
-    report = {
-        "machine": mark_end(machine),
-        "model": args.model,
-        "dtype": str(loaded.dtype),
-        "threads": args.threads,
-        "schema": SCHEMA,
-        "runs": runs,
-        "summary": summary,
-        "ratio_schema_over_plain": ratio,
-        "same_tokens": tokens_equal,
-        "wall_s": time.perf_counter() - started,
-    }
-    out = write_report(Path(args.out), report, text)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    names = list(summary)
-    meds = [summary[n]["median"] for n in names]
-    ax.bar(
-        names,
-        meds,
-        yerr=[
-            [m - summary[n]["min"] for n, m in zip(names, meds, strict=True)],
-            [summary[n]["max"] - m for n, m in zip(names, meds, strict=True)],
-        ],
-        color=["#999", "#2a7"],
+    rows = [[v, *spread_cells(s)] for v, s in summary.items()]
+    text = markdown_text(["variant", "tok/s med", "min", "max"], rows)
+    text += f"\nschema / plain (medians): {ratio:.3f}; same tokens generated: {tokens_equal}\n"
+    report = run.report(
+        model=args.model,
+        dtype=str(loaded.dtype),
+        threads=args.threads,
+        schema=SCHEMA,
+        runs=runs,
+        summary=summary,
+        ratio_schema_over_plain=ratio,
+        same_tokens=tokens_equal,
     )
-    ax.set_ylabel("useful tok/s (median, min-max)")
-    ax.set_title(f"mixed workload, {args.model}: schema / plain {ratio:.2f}")
-    save_figure(fig, Path(args.plot))
-    print(wrote(out, args.plot, report["wall_s"]))
+    title = f"mixed workload, {args.model}: schema / plain {ratio:.2f}"
+    run.finish(args, report, text, partial(plot, summary, title), table=text)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,14 @@ Uses a throw-away key prefix and deletes it afterwards. Prints a table, writes J
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import time
 import uuid
+from functools import partial
 from pathlib import Path
 
 import redis
+from _rounds import timed
+from report import outputs, parser, write_json
 
 from tokenfleet.keys import Keys
 from tokenfleet.producer import Producer
@@ -24,23 +24,22 @@ def run(url: str, jobs: int, batch: int) -> dict[str, object]:
     client = redis.Redis.from_url(url)
     prefix = f"bench-{uuid.uuid4().hex[:8]}:"
     producer = Producer(client, keys=Keys(prefix), default_cap=jobs * 3)
-    requests = [
-        GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)
-    ]
 
-    start = time.perf_counter()
-    for req in requests:
-        producer.submit(req)
-    single_s = time.perf_counter() - start
+    def fresh() -> list[GenerationRequest]:  # new job ids for each mode
+        return [
+            GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)
+        ]
 
-    requests = [
-        GenerationRequest(prompt=f"prompt number {i}", max_new_tokens=64) for i in range(jobs)
-    ]
-    start = time.perf_counter()
-    for i in range(0, jobs, batch):
-        outcomes = producer.submit_many(requests[i : i + batch])
-        assert all(o.accepted for o in outcomes)
-    many_s = time.perf_counter() - start
+    def one_at_a_time(requests: list[GenerationRequest]) -> None:
+        for req in requests:
+            producer.submit(req)
+
+    def in_batches(requests: list[GenerationRequest]) -> None:
+        for i in range(0, jobs, batch):
+            assert all(o.accepted for o in producer.submit_many(requests[i : i + batch]))
+
+    single_s, _ = timed(partial(one_at_a_time, fresh()))
+    many_s, _ = timed(partial(in_batches, fresh()))
 
     for key in client.scan_iter(match=f"{prefix}*", count=1000):
         client.delete(key)
@@ -57,16 +56,14 @@ def run(url: str, jobs: int, batch: int) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    parser.add_argument("--jobs", type=int, default=5000)
-    parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--out", default="bench/out/submit.json")
-    args = parser.parse_args()
+    p = parser(__doc__)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--jobs", type=int, default=5000)
+    p.add_argument("--batch", type=int, default=500)
+    outputs(p, "submit", plot=False)
+    args = p.parse_args()
     result = run(args.redis_url, args.jobs, args.batch)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    write_json(Path(args.out), result)
     print(f"{'mode':<14}{'jobs/s':>10}")
     print(f"{'submit':<14}{result['submit_per_s']:>10,.0f}")
     print(f"{'submit_many':<14}{result['submit_many_per_s']:>10,.0f}  (batches of {args.batch})")

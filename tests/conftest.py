@@ -1,24 +1,24 @@
-"""Shared fixtures: a real redis-server per test session (flushed per test) and fakeredis;
-and the fast tier's marker.
+"""Shared fixtures: a real redis-server per test session (flushed per test), servers of a
+test's own, fakeredis, worker processes; and the fast tier's marker.
 
-A missing redis-server fails the run with a clear message: tests about streams,
-consumer groups, Lua and pub/sub must run against the real thing.
+Every redis-server here is the package's launcher, `tokenfleet.local.RedisServer`. A
+missing redis-server fails the run with a clear message: tests about streams,
+consumer groups, Lua and pub/sub must run against the real thing. Helpers live in the
+`tests.helpers` package (see its docstring).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-sys.path.insert(0, str(Path(__file__).parent))  # plain helper modules beside the tests
-
-from fleet import Fleet
-from support import RedisServer, free_port
+from tests.helpers.workers import Fleet
+from tokenfleet.errors import RedisServerNotFound
+from tokenfleet.local import RedisServer
 
 # The fast tier (`make test-fast` = `pytest -m fast`): modules of pure-core tests (plain
 # data, the model and engine in process, fakeredis) that start no redis-server and no
@@ -30,7 +30,9 @@ FAST_MODULES = frozenset(
     {
         "test_admission.py",
         "test_attention_shared.py",
+        "test_backoff.py",
         "test_batch_buffers.py",
+        "test_batch_pacing.py",
         "test_chat.py",
         "test_compose.py",
         "test_engine.py",
@@ -44,6 +46,7 @@ FAST_MODULES = frozenset(
         "test_model_reference.py",
         "test_prefix_cache.py",
         "test_protocol.py",
+        "test_redis_errors.py",
         "test_runner_seam.py",
         "test_sampling.py",
         "test_scheduler.py",
@@ -63,10 +66,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fast)
 
 
+def _started(server: RedisServer) -> RedisServer:
+    try:
+        server.start()
+    except RedisServerNotFound as exc:
+        pytest.fail(f"{exc}: these tests need a real Redis", pytrace=False)
+    return server
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(port=free_port(), dir=tmp_path_factory.mktemp("redis"))
-    server.start()
+    server = _started(RedisServer(dir=tmp_path_factory.mktemp("redis")))
     yield server
     server.stop()
 
@@ -81,9 +91,9 @@ def redis_url(redis_server: RedisServer) -> Iterator[str]:
 
 
 def _private_redis(tmp_path: Path, appendonly: bool) -> Iterator[RedisServer]:
-    server = RedisServer(port=free_port(), dir=tmp_path / "private-redis", appendonly=appendonly)
-    server.dir.mkdir()
-    server.start()
+    folder = tmp_path / "private-redis"
+    folder.mkdir()
+    server = _started(RedisServer(dir=folder, appendonly=appendonly))
     yield server
     server.stop(kill=True)
 

@@ -34,11 +34,11 @@ import httpx
 import pytest
 import redis
 import yaml
-from fleet import Fleet, WorkerProcess
 from redis.exceptions import NoPermissionError, ResponseError
-from support import free_port, run_cli, wait_for
 from typer.testing import CliRunner
 
+from tests.helpers.support import KEYS, run_cli, wait_for
+from tests.helpers.workers import Fleet, WorkerProcess
 from tokenfleet.acl import (
     OPERATOR,
     PASSWORD_ENV,
@@ -55,12 +55,12 @@ from tokenfleet.acl import (
 from tokenfleet.cli import app
 from tokenfleet.errors import JobFailed, TenantQueueFull
 from tokenfleet.keys import GROUP, Keys
+from tokenfleet.local import free_port
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, TokenEvent
 from tokenfleet.reasons import FinishReason
 
 ROOT = Path(__file__).parent.parent
-KEYS = Keys()
 STREAM = KEYS.jobs()
 ADMIN = "admin"
 PASSWORDS = {name: f"{name}-test-pw" for name in (*ROLE_NAMES, ADMIN)}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenfleet.model.attention import sdpa
-from tokenfleet.model.batch import DecodeGroup
+from tokenfleet.model.tick_inputs import DecodeGroup
 
 BLOCK = 4
 

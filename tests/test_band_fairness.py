@@ -10,16 +10,14 @@ import threading
 from typing import Any
 
 import redis
-from fleet import Fleet
-from support import wait_for
 
-from tokenfleet.keys import Keys
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, TokenEvent
 from tokenfleet.worker.bands import BandShares, FairnessConfig
 from tokenfleet.worker.queue import TickVerdict, TickWrite, Verdict, WorkerQueue
 
-KEYS = Keys()
 CONFIG = FairnessConfig()  # the defaults a worker starts with
 
 

@@ -23,9 +23,9 @@ import openai
 import pytest
 import redis
 import redis.asyncio as aredis
-from gateway_support import GatewayEnv, ServedGateway, fleet_on
-from support import RedisServer, free_port, wait_for
 
+from tests.helpers.gateway import GatewayEnv, ServedGateway, gateway_env, jsonl
+from tests.helpers.support import KEYS, wait_for
 from tokenfleet.batch.format import (
     BatchStop,
     job_id_for,
@@ -35,30 +35,17 @@ from tokenfleet.batch.format import (
 )
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.gateway import GatewayConfig
-from tokenfleet.keys import Keys
+from tokenfleet.local import RedisServer, free_port
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import JobResult, Usage
 from tokenfleet.reasons import FinishReason
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = Keys()
 
 
-@pytest.fixture(scope="module")
-def env(
-    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayEnv]:
-    """One worker for the module. Its gateway drives no batches: each test runs the
-    gateway (or gateways) whose driver it is about, so no other replica takes its batch."""
-    tmp = tmp_path_factory.mktemp("batch")
-    with fleet_on(redis_server.url, tmp) as (r, fleet):
-        worker = fleet.start("batch-w", "--max-active", "8", burst=False)
-        fleet.wait_alive(worker, timeout=60)
-        gateway = driving(redis_server.url, batches=False)
-        try:
-            yield GatewayEnv(r, gateway, fleet)
-        finally:
-            gateway.stop()
+# One worker for the module. Its gateway drives no batches: each test runs the gateway
+# (or gateways) whose driver it is about, so no other replica takes its batch.
+env = gateway_env([("batch-w", ["--max-active", "8"])], batches=False)
 
 
 def driving(url: str, **config: Any) -> ServedGateway:
@@ -83,10 +70,6 @@ def chat_line(custom_id: str, text: str, max_tokens: int, **extra: Any) -> dict[
         **extra,
     }
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
 def wait_status(

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from tokenfleet.model import SeqInput, load_model
 from tokenfleet.model.attention import AttentionBackend, SdpaBackend, get_backend
-from tokenfleet.model.batch import BatchPlan, TickBuffers
+from tokenfleet.model.tick_inputs import BatchPlan, TickBuffers
 
 CPU = torch.device("cpu")
 

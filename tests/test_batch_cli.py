@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import redis
-from fleet import Fleet
-from support import wait_for
 
+from tests.helpers.support import wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.batch.format import batch_id_for_file, job_id_for
 from tokenfleet.keys import Keys
 from tokenfleet.producer import Producer

@@ -6,27 +6,16 @@ closed), while A's own repeat hits; an operator's `cache_group` lets tenants sha
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import openai
-import pytest
-import redis
-from gateway_support import ServedGateway, fleet_on
-from support import RedisServer
 
-from tokenfleet.gateway import GatewayConfig
-from tokenfleet.keys import Keys
+from tests.helpers.gateway import GatewayEnv, gateway_env
+from tests.helpers.support import KEYS
 from tokenfleet.tenants import set_limits
 
-KEYS = Keys()
 API_KEYS = ("key-a=alpha", "key-b=beta", "key-c=gamma")
 
 
-class Env:
-    def __init__(self, r: redis.Redis, gateway: ServedGateway) -> None:
-        self.r, self.gateway = r, gateway
-
+class Env(GatewayEnv):
     def cached(self, key: str, prompt: str, salt: str | None = None) -> int:
         """The cached prompt tokens `key`'s tenant gets for `prompt` (a completion)."""
         client: openai.OpenAI = self.gateway.client(key)
@@ -39,18 +28,7 @@ class Env:
         return 0 if details is None else int(details.cached_tokens or 0)
 
 
-@pytest.fixture(scope="module")
-def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp: Path = tmp_path_factory.mktemp("cache-isolation")
-    with fleet_on(redis_server.url, tmp) as (r, fleet):
-        fleet.wait_alive(fleet.start("cache-w", burst=False))
-        gateway = ServedGateway(
-            GatewayConfig(redis_url=redis_server.url, fleet_cache_s=0.0, api_keys=API_KEYS)
-        )
-        try:
-            yield Env(r, gateway)
-        finally:
-            gateway.stop()
+env = gateway_env([("cache-w", [])], env_type=Env, api_keys=API_KEYS)
 
 
 def _prompt(tag: str) -> str:

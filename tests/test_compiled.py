@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_helpers import make_hf_llama, save_hf_llama
-from test_engine import jobs, run_jobs
 
+from tests.helpers.models import make_hf_llama, save_hf_llama
+from tests.test_engine import jobs, run_jobs
 from tokenfleet.model import LoadedModel, SeqInput, load_model
 from tokenfleet.model.compiled import compile_model, uncompile_model
 

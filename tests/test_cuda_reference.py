@@ -28,7 +28,9 @@ from typing import Any
 
 import pytest
 import torch
-from model_helpers import (
+from transformers import AutoModelForCausalLM
+
+from tests.helpers.models import (
     REFERENCE_CONFIGS,
     block_tables,
     greedy_engine_style,
@@ -36,8 +38,6 @@ from model_helpers import (
     run_chunks,
     save_hf_llama,
 )
-from transformers import AutoModelForCausalLM
-
 from tokenfleet.model import LoadedModel, SeqInput, load_model
 from tokenfleet.protocol import GenerationRequest
 from tokenfleet.worker.engine import Engine, EngineConfig

@@ -431,3 +431,31 @@ def test_engine_matches_transformers_generate(tmp_path: Path) -> None:
                 eos_token_id=None,
             )[0, len(prompt) :].tolist()
         assert run.tokens[f"p{i}"] == expected, f"prompt {i} (length {len(prompt)})"
+
+
+def test_the_outbox_holds_what_to_publish_and_the_outcome_the_moment_it_is_decided(
+    tiny: LoadedModel,
+) -> None:
+    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * MiB))
+    full = run_jobs(tiny, [GenerationRequest(job_id="r", prompt="abc", max_new_tokens=10)])
+    resumed = GenerationRequest(job_id="r", prompt="abc", max_new_tokens=10)
+    engine.submit(resumed, resume_ids=full.tokens["r"][:4])
+    box = engine.outbox("r")
+    assert box is not None and box.sent == 4 and box.unsent() == []  # published before
+    engine.step()
+    assert [e.index for e in box.unsent()] == [4]  # this tick's token, not yet confirmed
+    box.confirm(5)
+    assert not box.dirty
+    engine.cancel("r")
+    assert box.end is not None and box.end.event.reason is FinishReason.CANCELLED
+    assert engine.outbox("r") is box  # until step() hands the outcome out
+    engine.step()
+    assert engine.outbox("r") is None
+    # refused at submit: an outbox all the same, its outcome already in it
+    bad = GenerationRequest(job_id="bad", prompt_ids=[10**9], max_new_tokens=4)
+    engine.submit(bad)
+    refused = engine.outbox("bad")
+    assert refused is not None and refused.unsent() == []
+    assert refused.end is not None and refused.end.event.reason is FinishReason.REJECTED
+    box.rewind()
+    assert [e.index for e in box.unsent()] == [0, 1, 2, 3, 4]  # resent after a reconnect

@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from fleet import Fleet, WorkerProcess
-from support import PartitionProxy, RedisServer, wait_for
 
+from tests.helpers.proxies import PartitionProxy
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet, WorkerProcess
 from tokenfleet.errors import JobNotFound
-from tokenfleet.keys import GROUP, Keys
+from tokenfleet.keys import GROUP
+from tokenfleet.local import RedisServer
 from tokenfleet.producer import JobHandle, Producer
 from tokenfleet.protocol import (
     FinishEvent,
@@ -34,7 +36,6 @@ from tokenfleet.protocol import (
 
 pytestmark = pytest.mark.fault
 
-KEYS = Keys()
 STREAM = KEYS.jobs()
 
 

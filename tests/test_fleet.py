@@ -11,21 +11,20 @@ import pytest
 import redis
 import redis.asyncio as aredis
 
+from tests.helpers.reads import queue_stats
+from tests.helpers.support import KEYS
 from tokenfleet.fleet import (
     FleetCache,
     FleetView,
     band_stats,
     decode_worker,
     live_workers,
-    queue_stats,
     read_workers,
     read_workers_async,
 )
 from tokenfleet.keys import DEFAULT_MODEL, GROUP, Keys
 from tokenfleet.worker.queue import WorkerQueue
 from tokenfleet.worker.telemetry import EngineStats
-
-KEYS = Keys()
 
 
 def heartbeat(r: redis.Redis, name: str, **info: object) -> None:

@@ -13,23 +13,27 @@ from __future__ import annotations
 import json
 import re
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from gateway_support import GatewayEnv, ServedGateway, gateway_fleet, worker_info
-from support import RedisServer, wait_for
 
+from tests.helpers.gateway import (
+    GatewayEnv,
+    ServedGateway,
+    WorkerSpec,
+    gateway_env,
+    worker_info,
+)
+from tests.helpers.support import KEYS, wait_for
 from tokenfleet.gateway import GatewayConfig
 from tokenfleet.keys import Keys
+from tokenfleet.local import RedisServer
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.presets import PRESETS
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import MAX_PROMPT_CHARS
-
-KEYS = Keys()
 
 
 def plain_checkpoint(folder: Path) -> Path:
@@ -69,19 +73,16 @@ def plain_checkpoint(folder: Path) -> Path:
     return folder
 
 
-Env = GatewayEnv
-
-
-@pytest.fixture(scope="module")
-def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("gateway")
+def module_workers(tmp: Path) -> list[WorkerSpec]:
     plain = plain_checkpoint(tmp / "plain")
-    workers = [
+    return [
         ("gw-main", []),
         ("gw-plain", ["--model", str(plain), "--model-name", "plain", "--kv-mb", "1"]),
     ]
-    with gateway_fleet(redis_server.url, tmp, workers) as env:
-        yield env
+
+
+Env = GatewayEnv
+env = gateway_env(module_workers)
 
 
 def metrics_of(gateway: ServedGateway) -> str:
@@ -354,7 +355,7 @@ def test_gateway_command_refuses_a_public_address_without_keys() -> None:
     import typer
     from typer.testing import CliRunner
 
-    from tokenfleet.cli.gateway import api_keys_from, gateway, is_loopback
+    from tokenfleet.cli.gateway import gateway, is_loopback
 
     app = typer.Typer()
     app.command()(gateway)
@@ -363,7 +364,8 @@ def test_gateway_command_refuses_a_public_address_without_keys() -> None:
     assert "without API keys" in refused.output
     assert all(is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "10.0.0.1", "gateway.internal"))
-    assert api_keys_from(["a", " b "], "c, a,,d") == ("a", "b", "c", "d")
+    entries = ("a", " b ", "c", " a", "", "d")  # stripped, empty ones dropped, repeats once
+    assert GatewayConfig(api_keys=entries).api_keys == ("a", "b", "c", "d")
 
 
 def test_stop_strings_end_the_text_before_them(env: Env) -> None:
@@ -438,7 +440,7 @@ def test_a_schema_no_output_can_satisfy_is_400_before_any_token(env: Env) -> Non
     nests another was a 500 postprocess_error after the job started; a $ref to itself a
     200 with empty, non-JSON content; a schema too deep for the library a worker's
     rejection naming a column in the library's own text)."""
-    from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH
+    from tokenfleet.grammar import MAX_SCHEMA_DEPTH
 
     deep: dict[str, object] = {"type": "string"}
     for _ in range(MAX_SCHEMA_DEPTH // 2):  # two levels each: 125 in all
@@ -479,7 +481,7 @@ def test_a_body_nested_past_the_parser_limit_is_named_as_such(env: Env) -> None:
     """Valid JSON nested deeper than the JSON parser reads is a 400 naming that limit
     (it was `invalid_json`, "the body is not valid JSON"), however deep, and the gateway
     answers the next request as before."""
-    from tokenfleet.gateway.errors import MAX_BODY_DEPTH
+    from tokenfleet.openai.errors import MAX_BODY_DEPTH
 
     schema: dict[str, object] = {"type": "string"}
     for _ in range(MAX_BODY_DEPTH):

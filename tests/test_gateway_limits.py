@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,34 +20,19 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aredis
-from fleet import Fleet
-from gateway_support import ServedGateway, fleet_on, worker_info
-from support import RedisServer, wait_for
 
+from tests.helpers.gateway import FleetEnv, ServedGateway, fleet_env, worker_info
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.gateway import GatewayConfig
 from tokenfleet.gateway.app import CLIENT_NAME
 from tokenfleet.gateway.subscriber import PUBSUB_CLIENT_NAME
 from tokenfleet.keys import Keys
+from tokenfleet.local import RedisServer
 from tokenfleet.protocol import decode_result
 
-KEYS = Keys()
-
-
-@dataclass
-class Env:
-    url: str
-    r: redis.Redis
-    fleet: Fleet
-
-
-@pytest.fixture(scope="module")
-def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    with fleet_on(redis_server.url, tmp_path_factory.mktemp("gateway-limits")) as (r, fleet):
-        worker = fleet.start(
-            "lim-w", "--max-batch", "64", "--max-active", "128", "--max-waiting", "64", burst=False
-        )
-        fleet.wait_alive(worker)
-        yield Env(redis_server.url, r, fleet)
+Env = FleetEnv
+env = fleet_env([("lim-w", ["--max-batch", "64", "--max-active", "128", "--max-waiting", "64"])])
 
 
 def sse_data(lines: list[str]) -> list[Any]:
@@ -78,20 +62,40 @@ def completion_body(max_tokens: int, *, stream: bool = True, **extra: Any) -> di
 
 
 def test_limits_come_from_the_environment_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    from tokenfleet.config import Settings
+    from tokenfleet.cli.options import load
+    from tokenfleet.config import GatewaySettings
 
     monkeypatch.setenv("TOKENFLEET_GATEWAY_QUEUE_TIMEOUT", "7.5")
     monkeypatch.setenv("TOKENFLEET_GATEWAY_MAX_BODY_BYTES", "65536")
     monkeypatch.setenv("TOKENFLEET_GATEWAY_REDIS_CONNECTIONS", "12")
     monkeypatch.setenv("TOKENFLEET_GATEWAY_PUBSUB_CONNECTIONS", "3")
-    config = GatewayConfig.from_settings(Settings())
+    config = load(GatewaySettings)
     assert (config.queue_timeout_s, config.max_body_bytes) == (7.5, 65536)
     assert (config.redis_connections, config.pubsub_connections) == (12, 3)
-    assert GatewayConfig.from_settings(Settings(), queue_timeout_s=None).queue_timeout_s is None
+    flagged = load(GatewaySettings, queue_timeout_s=0, redis_connections=None)  # None: not given
+    assert (flagged.queue_timeout_s, flagged.redis_connections) == (None, 12)
     monkeypatch.setenv("TOKENFLEET_GATEWAY_QUEUE_TIMEOUT", "0")  # 0 = wait forever
-    assert GatewayConfig.from_settings(Settings()).queue_timeout_s is None
-    defaults = GatewayConfig()
+    assert load(GatewaySettings).queue_timeout_s is None
+    defaults = GatewayConfig()  # the app's config reads no environment
     assert (defaults.queue_timeout_s, defaults.max_body_bytes) == (30.0, 4 * 1024 * 1024)
+    assert defaults.redis_connections == 64
+
+
+def test_a_refused_setting_names_its_flag_or_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import typer
+
+    from tokenfleet.cli.options import load
+    from tokenfleet.config import GatewaySettings
+
+    monkeypatch.setenv("TOKENFLEET_GATEWAY_PUBSUB_CONNECTIONS", "0")
+    with pytest.raises(typer.Exit) as refused:
+        load(GatewaySettings, max_body_bytes=10)
+    assert refused.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes: Input should be greater than or equal to 1024" in err
+    assert "$TOKENFLEET_GATEWAY_PUBSUB_CONNECTIONS: Input should be greater than or equal" in err
 
 
 # ---- (a) many streams, a few pub/sub connections ------------------------------------

@@ -24,16 +24,17 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from gateway_support import GatewayEnv, ServedGateway, gateway_fleet
-from support import RedisServer, wait_for
 
+from tests.helpers.gateway import GatewayEnv, ServedGateway, gateway_env, jsonl
+from tests.helpers.support import wait_for
 from tokenfleet.batch.format import parse_input, to_request
-from tokenfleet.batch.runner import Progress, run_batch
-from tokenfleet.gateway import GatewayConfig
+from tokenfleet.batch.offline import Progress, run_batch
+from tokenfleet.gateway import GatewayConfig, create_app
 from tokenfleet.gateway.auth import ApiKey, Caller, parse_api_key, parse_api_keys
-from tokenfleet.gateway.openai_models import ChatCompletionRequest, CompletionRequest
-from tokenfleet.gateway.render import Renderer
 from tokenfleet.keys import Keys
+from tokenfleet.local import RedisServer
+from tokenfleet.openai.models import ChatCompletionRequest, CompletionRequest
+from tokenfleet.openai.render import Renderer
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import FinishEvent, GenerationRequest, Usage, decode_request
 from tokenfleet.reasons import FinishReason
@@ -77,7 +78,7 @@ def test_key_entries_name_a_tenant_and_a_default_priority(
 )
 def test_a_bad_key_entry_is_a_startup_error_naming_its_position(entry: str, words: str) -> None:
     with pytest.raises(ValueError, match="API key entry #2") as bad:
-        GatewayConfig(api_keys=("fine", entry))
+        create_app(GatewayConfig(api_keys=("fine", entry)))
     assert words in str(bad.value)
     assert "s3cr3t" not in str(bad.value)
 
@@ -86,7 +87,7 @@ def test_one_key_with_two_grants_is_refused_and_repeats_are_one() -> None:
     with pytest.raises(ValueError, match="entry #2: the same key is given earlier"):
         parse_api_keys(("k=acme", "k=other"))
     assert parse_api_keys(("k", "k=default:default")) == (ApiKey("k"),)
-    assert GatewayConfig(api_keys=KEYS_CONFIG).parsed_keys[2] == ApiKey(
+    assert parse_api_keys(GatewayConfig(api_keys=KEYS_CONFIG).api_keys)[2] == ApiKey(
         "k-bulk", Caller("acme", "batch")
     )
 
@@ -291,7 +292,7 @@ def test_conflicting_or_unknown_fields_are_400_and_nothing_is_queued(
         error = body["error"]
         assert (error["type"], error["param"]) == ("invalid_request_error", param), error
         assert words in error["message"], error
-    assert all(rc.xlen(stream) == 0 for stream in keys.bands())
+    assert all(rc.xlen(band.stream) == 0 for band in keys.bands())
 
 
 def test_a_tenant_at_its_limit_is_429_naming_it_and_others_still_get_in(
@@ -345,10 +346,6 @@ def test_without_keys_every_request_is_the_default_tenant(
 def chat_line(custom_id: str, **extra: Any) -> dict[str, Any]:
     body = {**CHAT, "temperature": 0, **extra}
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-def jsonl(lines: list[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
 def test_a_batch_runs_at_batch_priority_for_its_creators_tenant(
@@ -425,13 +422,7 @@ def test_batch_run_refuses_a_bad_tenant_or_priority() -> None:
 # ---- with a worker: the tier echoed ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def worker_env(
-    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayEnv]:
-    tmp = tmp_path_factory.mktemp("priority")
-    with gateway_fleet(redis_server.url, tmp, [("prio-w", [])]) as env:
-        yield env
+worker_env = gateway_env([("prio-w", [])])
 
 
 def test_responses_name_the_tier_the_job_ran_at(worker_env: GatewayEnv) -> None:

@@ -8,13 +8,11 @@ greedy tokens are those of the same model run in process."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
-from gateway_support import GatewayEnv, gateway_fleet, worker_info
-from support import RedisServer
 
+from tests.helpers.gateway import GatewayEnv, gateway_env, worker_info
 from tokenfleet.model.smollm2 import PRESET, smollm2_gguf_path
 
 pytestmark = pytest.mark.skipif(
@@ -25,14 +23,10 @@ QUESTION = [{"role": "user", "content": "Why is the sky blue? Answer in one sent
 
 
 Env = GatewayEnv
-
-
-@pytest.fixture(scope="module")
-def env(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    flags = ["--model", PRESET, "--model-name", "smollm2", "--kv-mb", "64"]
-    tmp = tmp_path_factory.mktemp("gateway-smollm2")
-    with gateway_fleet(redis_server.url, tmp, [("gw-smollm2", flags)], timeout=180) as env:
-        yield env
+env = gateway_env(
+    [("gw-smollm2", ["--model", PRESET, "--model-name", "smollm2", "--kv-mb", "64"])],
+    join_timeout=180,
+)
 
 
 def test_models_lists_it_and_the_worker_says_what_it_serves(env: Env) -> None:

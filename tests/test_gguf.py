@@ -10,10 +10,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_helpers import round_trip_model, write_gguf
-from model_helpers import block_tables, make_hf_llama, save_hf_llama
 from transformers import LlamaForCausalLM
 
+from tests.helpers.gguf_files import round_trip_model, write_gguf
+from tests.helpers.models import block_tables, make_hf_llama, save_hf_llama
 from tokenfleet.model import LoadedModel, ModelLoadError, SeqInput, load_model
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer

@@ -12,11 +12,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf_helpers import add_model_metadata, finish_gguf, gguf_name
-from model_helpers import make_hf_llama, reference_logits
-from test_gguf import greedy, prefill_logits
 from transformers import LlamaForCausalLM
 
+from tests.helpers.gguf_files import add_model_metadata, finish_gguf, gguf_name
+from tests.helpers.models import make_hf_llama, reference_logits
+from tests.test_gguf import greedy, prefill_logits
 from tokenfleet.model import ModelLoadError, load_model
 from tokenfleet.model.gguf import permute_rows, unpermute_rows
 

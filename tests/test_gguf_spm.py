@@ -35,9 +35,9 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGUFReader
-from gguf_helpers import add_model_metadata, finish_gguf, gguf_name
-from model_helpers import make_hf_llama
 
+from tests.helpers.gguf_files import add_model_metadata, finish_gguf, gguf_name
+from tests.helpers.models import make_hf_llama
 from tokenfleet.model import ModelLoadError, load_model
 from tokenfleet.model.gguf_tokenizer import (
     SUPPORTED_TOKENIZER_MODELS,

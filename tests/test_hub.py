@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from model_helpers import make_hf_llama
 
+from tests.helpers.models import make_hf_llama
 from tokenfleet.model.hub import looks_like_hub_id
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -24,7 +24,7 @@ LOAD = """
 import json, sys
 import torch
 from tokenfleet.model import load_model
-from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.errors import ModelLoadError
 try:
     loaded = load_model(sys.argv[1], device="cpu")
 except ModelLoadError as e:

@@ -1,5 +1,9 @@
-"""The package's import graph has no cycle (lazy imports inside functions count too;
-imports only for type checking do not)."""
+"""The package's import graph has no cycle, and its packages are layered: each imports
+only from layers below its own (lazy imports inside functions count too; imports only
+for type checking do not).
+
+`LAYERS` is the one place the order is written, lowest first. A new module or package
+of `tokenfleet` must be placed in it; docs/architecture.md draws the same floors."""
 
 from __future__ import annotations
 
@@ -26,6 +30,45 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for sub in node.body for n in ast.walk(sub))
     return skip
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "reasons"),  # names only
+    ("keys", "redis_errors", "backoff"),  # where things live, how Redis fails
+    ("lua", "protocol", "fleet", "kv"),  # the wire, the fleet's view, KV bookkeeping
+    ("seam", "admission", "acl", "tenants", "config"),  # contracts, budgets, settings
+    ("model",),  # torch models and the torch runner (implements the seam)
+    ("grammar", "producer", "status", "local"),  # structured output, clients
+    ("openai", "deadletters", "worker"),  # OpenAI shapes (no web framework), the worker
+    ("batch", "demo", "integrations"),  # the Batch API's runner and store, the demo
+    ("gateway",),  # the HTTP front
+    ("cli",),  # the command line
+)
+
+
+def package_of(module: str) -> str:
+    """`tokenfleet.worker.loop` -> `worker`; `tokenfleet.keys` -> `keys`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_edges(
+    graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]
+) -> list[tuple[str, str]]:
+    """Imports from a package to one in its own or a higher layer (or an unplaced one)."""
+    level = {name: i for i, names in enumerate(layers) for name in names}
+    bad = []
+    for mod, targets in graph.items():
+        src = package_of(mod)
+        if not src:
+            continue
+        for target in targets:
+            dst = package_of(target)
+            if not dst or dst == src:
+                continue
+            if src not in level or dst not in level or level[dst] >= level[src]:
+                bad.append((mod, target))
+    return sorted(bad)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -114,3 +157,32 @@ def test_tokenfleet_has_no_import_cycle() -> None:
     graph = import_graph()
     assert "tokenfleet.worker.engine" in graph and graph["tokenfleet.cli"]
     assert cycles(graph) == []
+
+
+def test_the_checker_finds_an_upward_import() -> None:
+    layers = (("low",), ("mid_a", "mid_b"), ("high",))
+    graph = {
+        "tokenfleet.high.x": {"tokenfleet.low", "tokenfleet.mid_a.y"},
+        "tokenfleet.mid_a.y": {"tokenfleet.low", "tokenfleet.mid_a.z"},  # own package: fine
+        "tokenfleet.mid_b": {"tokenfleet.mid_a.y"},  # same layer: refused
+        "tokenfleet.low": {"tokenfleet.high.x"},  # up: refused
+        "tokenfleet.new.w": {"tokenfleet.low"},  # not placed: refused
+    }
+    assert upward_edges(graph, layers) == [
+        ("tokenfleet.low", "tokenfleet.high.x"),
+        ("tokenfleet.mid_b", "tokenfleet.mid_a.y"),
+        ("tokenfleet.new.w", "tokenfleet.low"),
+    ]
+
+
+def test_every_package_is_placed_in_a_layer() -> None:
+    placed = {name for names in LAYERS for name in names}
+    packages = {package_of(m) for m in import_graph()} - {""}
+    assert packages - placed == set(), "place it in LAYERS"
+    assert placed - packages == set(), "a layer names what no longer exists"
+
+
+def test_packages_only_import_from_lower_layers() -> None:
+    graph = import_graph()
+    assert "tokenfleet.model.torch_runner" in graph and "tokenfleet.seam" in graph
+    assert upward_edges(graph, LAYERS) == []

@@ -111,7 +111,7 @@ def test_a_request_routes_to_its_model_stream() -> None:
 
 
 def test_group_is_one_constant_name() -> None:
-    assert Keys().group == Keys("other:").group == GROUP == "workers"
+    assert GROUP == "workers"  # one group on every jobs stream, whatever the prefix
 
 
 @pytest.mark.parametrize("kind", (*PER_JOB_KEYS, "channel"))
@@ -174,3 +174,19 @@ def test_lifetimes_are_consistent() -> None:
         assert isinstance(ttl, int) and ttl > 0
     assert JOB_STATE_TTL_S >= RESULT_TTL_S  # idempotency outlives the stored result
     assert DEAD_LETTERS_MAXLEN > 0
+
+
+def test_the_batch_apis_keys_keep_their_names() -> None:
+    """Files and batches already stored, and docs/protocol.md, use these names."""
+    keys = Keys()
+    assert keys.file("file_1") == "tokenfleet:file:file_1"
+    assert keys.file_content("file_1") == "tokenfleet:file:file_1:content"
+    assert keys.files() == "tokenfleet:files"
+    assert keys.files("acme") == "tokenfleet:files:by-tenant:acme"
+    assert keys.batch("batch_1") == "tokenfleet:batch:batch_1"
+    assert keys.batch_results("batch_1") == "tokenfleet:batch:batch_1:results"
+    assert keys.batch_lease("batch_1") == "tokenfleet:batch:batch_1:lease"
+    assert keys.batches() == "tokenfleet:batches"
+    assert keys.batches("acme") == "tokenfleet:batches:by-tenant:acme"
+    assert keys.open_batches() == "tokenfleet:batches:open"
+    assert Keys("fleet-b:").batch("b") == "fleet-b:batch:b"

@@ -6,11 +6,12 @@ import urllib.request
 
 import pytest
 import redis
-from fleet import Fleet
 from prometheus_client.parser import text_string_to_metric_families
-from support import free_port, wait_for
 
+from tests.helpers.support import wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.errors import JobRejected
+from tokenfleet.local import free_port
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest
 

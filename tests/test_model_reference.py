@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_helpers import F32, GGUF_ARCH, Q8_0, round_trip_model, write_gguf
-from model_helpers import (
+from transformers import LlamaForCausalLM
+
+from tests.helpers.gguf_files import F32, GGUF_ARCH, Q8_0, round_trip_model, write_gguf
+from tests.helpers.models import (
     REFERENCE_CONFIGS,
     block_tables,
     greedy_engine_style,
@@ -19,8 +21,6 @@ from model_helpers import (
     run_chunks,
     save_hf_llama,
 )
-from transformers import LlamaForCausalLM
-
 from tokenfleet.model import (
     ByteTokenizer,
     KVPool,

@@ -16,17 +16,16 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from fleet import Fleet
-from support import run_cli, wait_for
 
+from tests.helpers.support import KEYS, run_cli, wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.fleet import live_workers
-from tokenfleet.keys import GROUP, Keys
+from tokenfleet.keys import GROUP
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import decode_result
 from tokenfleet.worker.queue import WorkerQueue
 
 ROOT = Path(__file__).parent.parent
-KEYS = Keys()
 
 
 def port_of(redis_url: str) -> int:
@@ -43,26 +42,34 @@ def path_without(program: str) -> str:
     return os.pathsep.join([str(Path(sys.executable).parent), *kept])
 
 
+def test_demo_and_up_without_redis_server_say_what_to_install() -> None:
+    """The local fleet runs the real redis-server, never a stand-in: without one on PATH
+    `demo` and `up --embedded` exit 2 at once, naming the packages to install."""
+    env = {**os.environ, "PATH": path_without("redis-server")}
+    assert shutil.which("redis-server", path=env["PATH"]) is None
+    for args in (["demo", "--no-live", "--model", "tiny-random"], ["up", "--embedded"]):
+        proc = run_cli(*args, env=env, timeout=60)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, out
+        assert "error: redis-server is not on PATH" in proc.stderr, out
+        assert "apt-get install redis-server" in out and "brew install redis" in out, out
+        assert "Traceback" not in out, out
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["redis-server", "fakeredis"])
-def test_demo_serves_every_job_on_an_embedded_redis(kind: str) -> None:
-    env = dict(os.environ)
-    if kind == "fakeredis":  # no redis-server on PATH: the fakeredis TCP server steps in
-        env["PATH"] = path_without("redis-server")
-        assert shutil.which("redis-server", path=env["PATH"]) is None
-    # The real model with a real redis-server (the README's `make demo`); the random
-    # one where redis-server is missing.
-    model = [] if kind == "redis-server" else ["--model", "tiny-random"]
-    proc = run_cli("demo", "--no-live", "--jobs", "6", *model, env=env, timeout=400)
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "tiny-random"])
+def test_demo_serves_every_job_on_an_embedded_redis(model: str) -> None:
+    # The real model (the README's `make demo`) and the random one (`--model tiny-random`).
+    flags = [] if model == "smollm2-135m-instruct" else ["--model", model]
+    proc = run_cli("demo", "--no-live", "--jobs", "6", *flags, timeout=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert re.search(rf"redis: redis://127\.0\.0\.1:\d+/0 \({kind}\)", proc.stdout), out
+    assert re.search(r"redis: redis://127\.0\.0\.1:\d+/0 \(redis-server\)", proc.stdout), out
     assert "finished: 6/6 jobs; workers exited with [0, 0]" in proc.stdout, out
-    if model:
-        assert "model: tiny-random" in proc.stdout, out
+    assert f"model: {model}" in proc.stdout, out
+    if flags:
         assert proc.stdout.count("[length]") == 6, out  # one line per job, as it ends
         return
-    assert "model: smollm2-135m-instruct" in proc.stdout, out
     # One line per job as it ends: "job ID [stop|length] N tokens by W: <answer start>".
     answers = re.findall(r"\[(?:stop|length)\] \d+ tokens by \S+: (.+)", proc.stdout)
     assert len(answers) == 6, out

@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from model_helpers import make_hf_llama, save_hf_llama
 
+from tests.helpers.models import make_hf_llama, save_hf_llama
 from tokenfleet.kv import BlockManager
 from tokenfleet.kv.prefix import chain_hashes, root_hash
 from tokenfleet.model import LoadedModel, load_model

@@ -10,17 +10,16 @@ from typing import Any
 
 import pytest
 import redis
-from fleet import Fleet
-from support import wait_for
 
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.ticks import finish
+from tests.helpers.workers import Fleet
 from tokenfleet.errors import QueueFull, TenantQueueFull
-from tokenfleet.keys import GROUP, STARVATION_GUARD, Keys
+from tokenfleet.keys import GROUP, STARVATION_GUARD
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, SamplingParams, Usage
 from tokenfleet.reasons import FinishReason
-from tokenfleet.worker.queue import TickVerdict, TickWrite, Verdict, WorkerQueue
-
-KEYS = Keys()
+from tokenfleet.worker.queue import TickVerdict, Verdict, WorkerQueue
 
 
 def queue(r: redis.Redis, name: str) -> WorkerQueue:
@@ -40,19 +39,6 @@ def job(job_id: str, priority: str = "default", tenant: str = "default") -> Gene
     )
 
 
-def finish(q: WorkerQueue, accepted: list[tuple[str, object]]) -> None:
-    """End the given (job id, delivery) pairs with a terminal write, as a tick would."""
-    writes = []
-    for job_id, d in accepted:
-        result = JobResult(job_id=job_id, finish_reason=FinishReason.LENGTH)
-        fin = FinishEvent(job_id=job_id, reason=FinishReason.LENGTH, usage=Usage())
-        writes.append(TickWrite(d, job_id, [], (result, fin)))  # type: ignore[arg-type]
-    pipe = q.redis.pipeline(transaction=False)
-    q.tick(writes, pipe)
-    (reply,) = pipe.execute()
-    assert {t.verdict for t in q.parse_tick(reply)} == {TickVerdict.DONE}
-
-
 # --- the order of pulls ---------------------------------------------------------------
 def test_a_worker_pulls_the_highest_band_first_and_fifo_within_a_band(r: redis.Redis) -> None:
     producer = Producer(r)
@@ -66,16 +52,7 @@ def test_a_worker_pulls_the_highest_band_first_and_fifo_within_a_band(r: redis.R
     assert [d.job_id for d in got] == ["i0", "i1", "d0", "d1", "b0", "b1", "b2"]
     assert [d.stream for d in got[:3]] == [KEYS.jobs(None, "interactive")] * 2 + [KEYS.jobs()]
     # each band is its own stream: XLEN is that band's depth
-    assert [r.xlen(s) for s in KEYS.bands()] == [2, 2, 3]
-
-
-def test_fakeredis_runs_the_pull_script_too(fake_r: redis.Redis) -> None:
-    """The demo falls back to fakeredis without a redis-server: its Lua replies differ
-    (XREADGROUP inside a script), and the pull order must not."""
-    producer = Producer(fake_r)
-    producer.submit(job("b0", "batch"))
-    producer.submit(job("i0", "interactive"))
-    assert [d.job_id for d in queue(fake_r, "a").read(5)] == ["i0", "b0"]
+    assert [r.xlen(b.stream) for b in KEYS.bands()] == [2, 2, 3]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])
@@ -219,14 +196,14 @@ def test_a_job_whose_tenant_runs_its_limit_goes_back_to_the_tail_of_its_band(
     assert r.zcard(KEYS.tenant_running("acme")) == 1
     assert r.zcard(KEYS.tenant_queued("acme")) == 1
     # when a0 ends, a1 may start
-    finish(q, [("a0", got[0]), ("z0", got[2])])
+    assert finish(q, got[0], got[2]) == [TickVerdict.DONE] * 2  # a0 and z0 end
     assert r.zcard(KEYS.tenant_running("acme")) == 0
     again = q.read(10)
     assert [d.job_id for d in again] == ["a1"]
     assert [a.verdict for a in q.accept(again)] == [Verdict.OK]
     assert r.zrange(KEYS.tenant_running("acme"), 0, -1) == [b"a1"]
     assert r.zcard(KEYS.tenant_queued("acme")) == 0
-    finish(q, [("a1", again[0])])
+    assert finish(q, again[0]) == [TickVerdict.DONE]
     assert r.zcard(KEYS.tenant_running("acme")) == 0 and r.xlen(KEYS.jobs()) == 0
 
 

@@ -8,8 +8,9 @@ import threading
 import pytest
 import redis
 
+from tests.helpers.publish import queue_event, queue_result
+from tests.helpers.support import KEYS
 from tokenfleet.errors import InvalidRequest, JobNotFound, JobRejected, JobTimeout, QueueFull
-from tokenfleet.keys import Keys
 from tokenfleet.producer import AsyncProducer, Producer
 from tokenfleet.protocol import (
     ErrorInfo,
@@ -21,9 +22,6 @@ from tokenfleet.protocol import (
     decode_request,
 )
 from tokenfleet.reasons import FinishReason
-from tokenfleet.worker.publish import queue_event, queue_result
-
-KEYS = Keys()
 
 
 def emit(client: redis.Redis, *events: TokenEvent | FinishEvent) -> None:

@@ -9,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from model_helpers import block_tables, make_hf_llama, save_hf_llama
-from test_gguf import SMOLLM2, needs_smollm2
 
+from tests.helpers.models import block_tables, make_hf_llama, save_hf_llama
+from tests.test_gguf import SMOLLM2, needs_smollm2
 from tokenfleet.model import LoadedModel, ModelLoadError, SeqInput, load_model
 from tokenfleet.model.loader import cpu_has_bf16, resolve_dtype
 from tokenfleet.model.quant import (
@@ -204,7 +204,7 @@ def test_int4_from_a_q4_gguf_keeps_the_files_blocks(
     """`--quant int4` on a Q4_0 / Q4_1 file serves the file's own 4-bit values (not a
     requantization of them): every projection equals the file's dequantized matrix to
     bf16 rounding, and a requantized one does not."""
-    from gguf_helpers import write_gguf
+    from tests.helpers.gguf_files import write_gguf
 
     hf = make_hf_llama(seed=2, hidden_size=128, intermediate_size=256, num_attention_heads=4)
     path = write_gguf(hf, tmp_path / "m.gguf", q4)

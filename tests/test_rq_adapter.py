@@ -8,16 +8,14 @@ from pathlib import Path
 
 import pytest
 import redis
-from fleet import Fleet
 from rq import Queue
 from rq.job import Job, JobStatus
 
+from tests.helpers.support import KEYS
+from tests.helpers.workers import Fleet
 from tokenfleet.integrations.rq import generate
-from tokenfleet.keys import Keys
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import decode_result
-
-KEYS = Keys()
 
 # A forking rq.Worker in its own process, as a service would run it; burst: exit when done.
 RQ_WORKER = """

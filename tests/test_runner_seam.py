@@ -19,9 +19,8 @@ from pathlib import Path
 
 from tokenfleet.protocol import GenerationRequest, SamplingParams
 from tokenfleet.reasons import FinishReason
+from tokenfleet.seam import DecodeStep, ModelSpec, ResolvedSampling, TickPlan
 from tokenfleet.worker.engine import Engine, EngineConfig
-from tokenfleet.worker.runner import ModelSpec, ResolvedSampling
-from tokenfleet.worker.scheduler import DecodeStep, TickPlan
 
 VOCAB = 97
 SPEC = ModelSpec(
@@ -190,13 +189,11 @@ def test_the_engine_times_its_own_steps_and_the_runners_share() -> None:
 
 
 def test_the_engine_runs_with_torch_unimportable() -> None:
-    tests = Path(__file__).parent
     code = textwrap.dedent(
         """
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
-        sys.path.insert(0, TESTS)
-        from test_runner_seam import PagedFakeRunner, reference, request, run_all
+        from tests.test_runner_seam import PagedFakeRunner, reference, request, run_all
         from tokenfleet.worker.engine import Engine, EngineConfig
         engine = Engine(PagedFakeRunner(), EngineConfig(kv_budget_bytes=64 * 1024, block_size=4))
         engine.submit(request("a", [1, 2, 3], 7))
@@ -205,8 +202,13 @@ def test_the_engine_runs_with_torch_unimportable() -> None:
                        if sys.modules[m] is not None)
         print("ok")
         """
-    ).replace("TESTS", repr(str(tests)))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    proc = subprocess.run(  # `python -c` in the repository: `tests` imports as a package
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).parents[1],
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

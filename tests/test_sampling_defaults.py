@@ -8,15 +8,15 @@ import json
 from pathlib import Path
 
 import pytest
-from model_helpers import make_hf_llama, save_hf_llama
-from test_engine import run_jobs
 
+from tests.helpers.models import make_hf_llama, save_hf_llama
+from tests.test_engine import run_jobs
 from tokenfleet.fleet import ServedModel, decode_worker
-from tokenfleet.gateway.openai_models import ChatCompletionRequest
 from tokenfleet.model import LoadedModel, load_model
-from tokenfleet.model.runner import TorchRunner
+from tokenfleet.model.torch_runner import TorchRunner
+from tokenfleet.openai.models import ChatCompletionRequest
 from tokenfleet.protocol import GenerationRequest, SamplingParams
-from tokenfleet.worker.runner import ResolvedSampling, SamplingDefaults
+from tokenfleet.seam import ResolvedSampling, SamplingDefaults
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "eos_token_id": 2}
 
@@ -102,19 +102,14 @@ def test_the_gateway_fills_unset_fields_from_the_model_then_openai() -> None:
 def test_a_worker_advertises_its_defaults_and_serves_unset_jobs_with_them(
     redis_url: str, with_defaults: LoadedModel, tmp_path: Path
 ) -> None:
-    from test_worker_main import PREFIX, fleet_settings
-
+    from tests.test_worker_main import PREFIX, fleet_settings
     from tokenfleet.producer import Producer
-    from tokenfleet.worker.loop import WorkerOptions
     from tokenfleet.worker.main import build_worker
 
     folder = save_hf_llama(make_hf_llama(seed=5), tmp_path / "gen")
     (folder / "generation_config.json").write_text(json.dumps(QWEN_LIKE))
     worker = build_worker(
-        fleet_settings(redis_url),
-        checkpoint=str(folder),
-        device="cpu",
-        options=WorkerOptions(name="wm-defaults", burst=True),
+        fleet_settings(redis_url, model=str(folder), device="cpu", name="wm-defaults", burst=True)
     )
     assert worker.options.info["sampling_defaults"] == {
         "temperature": 0.7,

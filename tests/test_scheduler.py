@@ -10,27 +10,22 @@ from __future__ import annotations
 import pytest
 
 from tokenfleet.kv import BlockManager
-from tokenfleet.worker.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SeqStatus,
-    Sequence,
-    TickPlan,
-)
+from tokenfleet.seam import SeqState, SeqStatus, TickPlan
+from tokenfleet.worker.scheduler import Scheduler, SchedulerConfig
 
 
 def make(batch: int = 4, prefill: int = 8, blocks: int = 64, block_size: int = 4) -> Scheduler:
     return Scheduler(SchedulerConfig(batch, prefill), BlockManager(blocks, block_size))
 
 
-def seq(sid: str, prompt_len: int = 5, new: int = 10, outputs: list[int] | None = None) -> Sequence:
-    return Sequence(sid, list(range(100, 100 + prompt_len)), new, list(outputs or []))
+def seq(sid: str, prompt_len: int = 5, new: int = 10, outputs: list[int] | None = None) -> SeqState:
+    return SeqState(sid, list(range(100, 100 + prompt_len)), new, list(outputs or []))
 
 
-def complete(s: Scheduler, plan: TickPlan, sampled: dict[str, int]) -> list[Sequence]:
+def complete(s: Scheduler, plan: TickPlan, sampled: dict[str, int]) -> list[SeqState]:
     """What the engine does after a forward: append each live sampled session's token,
     finish the sessions that used their whole budget, then complete the tick."""
-    done: list[Sequence] = []
+    done: list[SeqState] = []
     for sid, token in sampled.items():
         if sid in s:
             seq = s.get(sid)
@@ -41,7 +36,7 @@ def complete(s: Scheduler, plan: TickPlan, sampled: dict[str, int]) -> list[Sequ
     return done
 
 
-def run(s: Scheduler) -> tuple[TickPlan, list[Sequence]]:
+def run(s: Scheduler) -> tuple[TickPlan, list[SeqState]]:
     """One tick with a fake model: every sampling session gets token 7."""
     plan = s.schedule()
     return plan, complete(s, plan, {sid: 7 for sid in plan.sampling_ids})
@@ -211,7 +206,7 @@ def test_add_refuses_bad_sequences() -> None:
     with pytest.raises(ValueError, match="left to generate"):
         s.add(seq("done", new=2, outputs=[1, 2]))
     with pytest.raises(ValueError, match="prompt"):
-        s.add(Sequence("empty", [], 3))
+        s.add(SeqState("empty", [], 3))
     with pytest.raises(ValueError, match="cannot reserve"):
         s.add(seq("big", prompt_len=5, new=10))  # needs 4 blocks of 4
     assert s.is_idle
@@ -223,9 +218,9 @@ def test_schedule_twice_without_completion_is_a_bug() -> None:
     plan = s.schedule()
     with pytest.raises(AssertionError):
         s.schedule()
-    s.discard_tick(plan)
-    assert s.get("a").num_computed == 0
-    assert s.schedule().num_prefill_tokens == 5
+    s.get("a").output_ids.append(7)  # the first plan is still the one to complete
+    s.complete_tick(plan)
+    assert s.get("a").num_computed == 5
 
 
 def test_complete_tick_refuses_a_sampled_session_without_its_token() -> None:

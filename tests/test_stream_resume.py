@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aredis
-from fleet import Fleet, WorkerProcess
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from support import RedisServer, wait_for
 
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet, WorkerProcess
 from tokenfleet.errors import JobLost, JobTimeout
-from tokenfleet.keys import Keys
+from tokenfleet.local import RedisServer
 from tokenfleet.producer import AsyncJobHandle, AsyncProducer, JobHandle, Producer
 from tokenfleet.producer.follow import STREAM_IDLE_TIMEOUT_S, JobFollower
 from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent, decode_result, encode
@@ -33,7 +33,6 @@ from tokenfleet.reasons import FinishReason
 
 pytestmark = pytest.mark.fault
 
-KEYS = Keys()
 TOKENS = 600  # about 3 s on the tiny-random model: long enough to restart Redis mid-way
 
 

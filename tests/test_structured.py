@@ -227,7 +227,7 @@ def _nested_const(depth: int) -> dict[str, object]:
 def test_schema_nesting_is_refused_naming_the_limit(tiny: LoadedModel) -> None:
     from llguidance import LLMatcher
 
-    from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH
+    from tokenfleet.grammar import MAX_SCHEMA_DEPTH
 
     # the library itself reads MAX_SCHEMA_DEPTH levels and not one more (the limit is
     # llguidance's; the check names it before the library's column in its own text)
@@ -292,7 +292,7 @@ def test_an_output_cut_inside_the_structure_never_ends_as_stop(tiny: LoadedModel
 def test_a_stop_string_after_a_complete_output_still_ends_as_stop(tiny: LoadedModel) -> None:
     """The cut text itself is checked (the matcher has read the stop string too): an
     output the grammar accepts without the stop string's text is a `stop`."""
-    from tokenfleet.worker.grammar import GrammarEnd, unmet
+    from tokenfleet.grammar import GrammarEnd, unmet
 
     spec = Structured(kind="regex", value="ab(;cd)?")
     matcher = engine(tiny).grammars.matcher(spec)

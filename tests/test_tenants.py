@@ -13,23 +13,20 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aredis
-from gateway_support import ServedGateway
-from support import free_port, run_cli
 
+from tests.helpers.gateway import ServedGateway
+from tests.helpers.reads import tenant_usage
+from tests.helpers.support import KEYS, run_cli
 from tokenfleet.gateway import GatewayConfig
 from tokenfleet.gateway.metrics import GatewayMetrics
-from tokenfleet.keys import Keys
+from tokenfleet.local import free_port
 from tokenfleet.tenants import (
     TenantLimits,
     TenantUsage,
     get_limits,
     read_tenants,
     set_limits,
-    tenant_usage,
-    usage_by_model,
 )
-
-KEYS = Keys()
 
 
 def queue(r: redis.Redis, tenant: str, model: str, *jobs: str, running: bool = False) -> None:
@@ -148,9 +145,11 @@ def test_usage_counts_each_tenants_queued_and_running_jobs_per_model(r: redis.Re
         "beta": TenantUsage(),
         "default": TenantUsage(queued=1, running=0),
     }
-    by_model = usage_by_model(r, KEYS, ["default", "other", "never"])
-    assert by_model["never"] == dict.fromkeys(("acme", "beta", "default"), TenantUsage())
-    assert by_model["default"]["acme"] == TenantUsage(3, 1)
+    tenants = read_tenants(r, KEYS, ["default", "other", "never"]).tenants
+    assert {name: view.usage["never"] for name, view in tenants.items()} == dict.fromkeys(
+        ("acme", "beta", "default"), TenantUsage()
+    )
+    assert tenants["acme"].usage["default"] == TenantUsage(3, 1)
 
     # the same job id counted twice is counted once (sorted sets)
     queue(r, "acme", "default", "a1")

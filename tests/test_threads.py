@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support import wait_for
 
+from tests.helpers.support import wait_for
 from tokenfleet.worker.threads import (
     CpuSeconds,
     NicedTask,

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import redis
-from fleet import Fleet, in_process
 
-from tokenfleet.keys import Keys
+from tests.helpers.support import KEYS
+from tests.helpers.workers import Fleet, in_process
 from tokenfleet.model import load_model
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, SamplingParams
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.engine import Engine, EngineConfig
-
-KEYS = Keys()
 
 
 def test_submit_stream_result_through_a_worker_matches_the_engine(
@@ -50,12 +48,23 @@ def test_submit_stream_result_through_a_worker_matches_the_engine(
 
 
 class CountingConnection(redis.Connection):
-    """Counts the requests this client sends: one per command, one per pipeline."""
+    """Counts the requests this client sends: one per command, one per pipeline; not
+    redis-py's own handshake on each new connection (HELLO, CLIENT SETINFO), whose number
+    depends on its version, not on the loop."""
 
     sent = 0
+    _connecting = False
+
+    def on_connect(self) -> None:
+        self._connecting = True
+        try:
+            super().on_connect()
+        finally:
+            self._connecting = False
 
     def send_packed_command(self, command: object, check_health: bool = True) -> None:
-        type(self).sent += 1
+        if not self._connecting:
+            type(self).sent += 1
         super().send_packed_command(command, check_health)  # type: ignore[arg-type]
 
 
@@ -78,8 +87,11 @@ def test_a_busy_worker_makes_one_round_trip_per_tick(r: redis.Redis, redis_url: 
     ticks = engine.stats.ticks
     for handle in handles:
         assert handle.result(timeout=10).finish_reason == FinishReason.LENGTH
-    # Besides one call per tick: start-up (group, probe, heartbeat), the blocked first
-    # reads, one accept per batch of new entries, the burst-mode XLEN checks, leaving.
+    # Besides one call per tick: start-up (3 groups, the probe, 2 script loads, a
+    # heartbeat, 3 orphan looks), the blocked first reads, one accept per batch of new
+    # entries, the round trips that only write the last finishes, the burst-mode XLEN
+    # checks, leaving: 28-31 measured (6c2e2c2 and after, AMD EPYC, 2 cores). A second
+    # call per tick would be 96 more.
     assert ticks >= 96
-    assert CountingConnection.sent <= ticks + 25, (CountingConnection.sent, ticks)
+    assert CountingConnection.sent <= ticks + 40, (CountingConnection.sent, ticks)
     client.close()

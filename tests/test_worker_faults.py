@@ -19,11 +19,13 @@ from typing import Any
 import msgpack
 import pytest
 import redis
-from fleet import Fleet, WorkerProcess, in_process
-from support import LostReplyProxy, RedisServer, wait_for
 
+from tests.helpers.proxies import LostReplyProxy
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet, WorkerProcess, in_process
 from tokenfleet.errors import JobFailed, JobNotFound
-from tokenfleet.keys import GROUP, Keys
+from tokenfleet.keys import GROUP
+from tokenfleet.local import RedisServer
 from tokenfleet.lua import PULL_LUA
 from tokenfleet.model import load_model
 from tokenfleet.producer import JobHandle, Producer
@@ -43,7 +45,6 @@ from tokenfleet.worker.recovery import Delivery
 
 pytestmark = pytest.mark.fault
 
-KEYS = Keys()
 STREAM = KEYS.jobs()
 
 

@@ -1,8 +1,10 @@
 """`build_worker` (tokenfleet/worker/main.py) without the command line, on a real Redis.
 
-It builds what the settings and flags say: a flag given wins, a flag left as None
-takes the setting (`$TOKENFLEET_MODEL`, `$TOKENFLEET_DEVICE`, `$TOKENFLEET_DTYPE`),
-and the worker it returns serves jobs from the fleet the settings name.
+It builds what its `WorkerSettings` say: a value given wins, one not given is read
+from the environment (`$TOKENFLEET_MODEL`, `$TOKENFLEET_DEVICE`, `$TOKENFLEET_DTYPE`)
+or defaults; the engine's budget and the loop's options come from the same settings,
+and the worker it returns serves jobs from the fleet they name. The command line
+gives them the same way (`tokenfleet worker --help` lists each field's flag).
 """
 
 from __future__ import annotations
@@ -12,27 +14,28 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from tokenfleet.config import Settings
+from tokenfleet.config import WorkerSettings
 from tokenfleet.errors import JobFailed, ModelLoadError
 from tokenfleet.keys import Keys
 from tokenfleet.model import load_model
 from tokenfleet.producer import Producer
 from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.bands import FairnessConfig
 from tokenfleet.worker.engine import EngineConfig
-from tokenfleet.worker.loop import WorkerOptions
 from tokenfleet.worker.main import InvalidBudget, build_worker
 
 MiB = 1024 * 1024
 PREFIX = "wm:"
 
 
-def fleet_settings(redis_url: str, **fields: str) -> Settings:
-    """The settings `tokenfleet worker --redis-url URL --prefix wm:` would pass on."""
-    return Settings().model_copy(update={"redis_url": redis_url, "prefix": PREFIX, **fields})
+def fleet_settings(redis_url: str, **fields: Any) -> WorkerSettings:
+    """What `tokenfleet worker --redis-url URL --prefix wm: [FIELD flags]` builds."""
+    return WorkerSettings(redis_url=redis_url, prefix=PREFIX, **fields)
 
 
 def test_settings_from_the_environment_choose_model_device_and_dtype(
@@ -43,7 +46,7 @@ def test_settings_from_the_environment_choose_model_device_and_dtype(
     monkeypatch.setenv("TOKENFLEET_MODEL", "tiny-random")
     monkeypatch.setenv("TOKENFLEET_DEVICE", "cpu")
     monkeypatch.setenv("TOKENFLEET_DTYPE", "bfloat16")
-    worker = build_worker(Settings(), options=WorkerOptions(name="wm-env", burst=True))
+    worker = build_worker(WorkerSettings(name="wm-env", burst=True))
 
     assert worker.options.info["checkpoint"] == "tiny-random"
     assert worker.options.info["device"] == "cpu"
@@ -52,39 +55,55 @@ def test_settings_from_the_environment_choose_model_device_and_dtype(
     assert worker.engine.config == EngineConfig()
     assert worker.engine.fault is None
     assert worker.keys == Keys(PREFIX)
-    client = worker.redis.connection_pool.connection_kwargs
+    client = worker.queue.redis.connection_pool.connection_kwargs
     assert (client["port"], client["socket_timeout"]) == (urlsplit(redis_url).port, 10)
 
 
-def test_the_model_setting_is_what_loads_when_no_flag_names_one(redis_url: str) -> None:
+def test_the_model_setting_is_what_loads_and_a_bad_one_is_named(redis_url: str) -> None:
     conf = fleet_settings(redis_url, model="/no/such/checkpoint", device="cpu")
     with pytest.raises(ModelLoadError, match="'/no/such/checkpoint' is neither a preset"):
         build_worker(conf)
     with pytest.raises(ModelLoadError, match="unsupported dtype 'int8'"):
-        build_worker(fleet_settings(redis_url, dtype="int8"), checkpoint="tiny-random")
+        build_worker(fleet_settings(redis_url, model="tiny-random", dtype="int8"))
 
 
-def test_flags_win_over_settings_and_the_worker_serves_its_stream(redis_url: str) -> None:
-    conf = fleet_settings(redis_url, model="/no/such/checkpoint", device="cuda:7", dtype="int8")
+def test_given_values_win_over_the_environment_and_the_worker_serves_its_stream(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_MODEL", "/no/such/checkpoint")
+    monkeypatch.setenv("TOKENFLEET_DEVICE", "cuda:7")
+    monkeypatch.setenv("TOKENFLEET_DTYPE", "int8")
+    monkeypatch.setenv("TOKENFLEET_PREFIX_CACHE", "0")
+    conf = fleet_settings(
+        redis_url,
+        model="tiny-random",
+        device="cpu",
+        dtype="float32",
+        kv_mb=2,
+        max_active=3,
+        max_batch=2,
+        prefill_tokens=64,
+        max_waiting=1,
+        band_share=0.25,
+        name="wm-flags",
+        model_name="small",
+        burst=True,
+        max_deliveries=1,
+        fault_key="poison",
+    )
+    worker = build_worker(conf)
+
     engine = EngineConfig(
         kv_budget_bytes=2 * MiB,
         max_active=3,
         max_batch_size=2,
         max_prefill_tokens_per_tick=64,
         max_waiting=1,
+        prefix_cache=False,  # from the environment: nothing gave it
+        fairness=FairnessConfig(band_share=0.25),
     )
-    options = WorkerOptions(name="wm-flags", model="small", burst=True, max_deliveries=1)
-    worker = build_worker(
-        conf,
-        checkpoint="tiny-random",
-        device="cpu",
-        dtype="float32",
-        engine=engine,
-        options=options,
-        fault_key="poison",
-    )
-
     assert worker.engine.config == engine
+    assert (worker.options.burst, worker.options.max_deliveries) == (True, 1)
     assert worker.engine.budget.kv_budget_bytes == 2 * MiB
     assert worker.engine.budget.max_active == 3
     info = worker.options.info
@@ -108,18 +127,23 @@ def test_flags_win_over_settings_and_the_worker_serves_its_stream(redis_url: str
 
 
 def test_a_budget_that_does_not_fit_the_model_is_an_invalid_budget(redis_url: str) -> None:
-    conf = fleet_settings(redis_url, device="cpu")
     with pytest.raises(InvalidBudget, match=r"^invalid budget: kv_budget_bytes"):
-        build_worker(conf, engine=EngineConfig(kv_budget_bytes=0))
+        build_worker(fleet_settings(redis_url, device="cpu", kv_mb=0))
+    with pytest.raises(InvalidBudget, match=r"^band_share must be in \(0, 1\)"):
+        build_worker(fleet_settings(redis_url, model="/not/loaded", band_share=2.0))
 
 
 def test_quantized_weights_are_compiled_by_default_and_serve_jobs(redis_url: str) -> None:
     worker = build_worker(
-        fleet_settings(redis_url),
-        checkpoint="tiny-random",
-        device="cpu",
-        quant="int8",
-        options=WorkerOptions(name="wm-int8", model="int8", burst=True),
+        fleet_settings(
+            redis_url,
+            model="tiny-random",
+            device="cpu",
+            quant="int8",
+            name="wm-int8",
+            model_name="int8",
+            burst=True,
+        )
     )
     info = worker.options.info
     assert (info["quant"], info["dtype"]) == ("int8", "bfloat16")  # auto: int8 needs bf16
@@ -133,15 +157,14 @@ def test_quantized_weights_are_compiled_by_default_and_serve_jobs(redis_url: str
 
 FALLBACK = """
 import json, sys
-from tokenfleet.config import Settings
-from tokenfleet.worker.loop import WorkerOptions
+from tokenfleet.config import WorkerSettings
 from tokenfleet.worker.main import build_worker
 from tokenfleet.errors import ModelLoadError
-settings = Settings().model_copy(update={"redis_url": sys.argv[1], "prefix": "wm:"})
 explicit = {"auto": None, "on": True}[sys.argv[2]]
+settings = WorkerSettings(redis_url=sys.argv[1], prefix="wm:", model="tiny-random",
+                          device="cpu", quant="int8", compile=explicit, name="wm-cc", burst=True)
 try:
-    w = build_worker(settings, checkpoint="tiny-random", device="cpu", quant="int8",
-                     compile_model=explicit, options=WorkerOptions(name="wm-cc", burst=True))
+    w = build_worker(settings)
     print(json.dumps({k: w.options.info.get(k) for k in ("compile_mode", "compile_error")}))
 except ModelLoadError as e:
     print(json.dumps({"error": str(e)}))
@@ -184,11 +207,15 @@ def test_unpinned_threads_are_governed_and_reported_pinned_ones_are_kept(
     try:
         torch.set_num_threads(2)
         worker = build_worker(
-            fleet_settings(redis_url),
-            checkpoint="tiny-random",
-            device="cpu",
-            dtype="float32",
-            options=WorkerOptions(name="wm-gov", model="gov", burst=True),
+            fleet_settings(
+                redis_url,
+                model="tiny-random",
+                device="cpu",
+                dtype="float32",
+                name="wm-gov",
+                model_name="gov",
+                burst=True,
+            )
         )
         assert worker.engine.threads is not None and worker.engine.threads.max_threads == 2
         producer = Producer.from_url(redis_url, prefix=PREFIX)
@@ -199,13 +226,70 @@ def test_unpinned_threads_are_governed_and_reported_pinned_ones_are_kept(
         assert telemetry["threads_max"] == 2 and telemetry["threads"] in (1, 2)
 
         pinned = build_worker(
-            fleet_settings(redis_url),
-            checkpoint="tiny-random",
-            device="cpu",
-            dtype="float32",
-            threads=1,
-            options=WorkerOptions(name="wm-pinned", burst=True),
+            fleet_settings(
+                redis_url,
+                model="tiny-random",
+                device="cpu",
+                dtype="float32",
+                threads=1,
+                name="wm-pinned",
+                burst=True,
+            )
         )
         assert pinned.engine.threads is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# ---- the command line: flags from the same settings -----------------------------------
+
+
+def test_worker_flags_given_win_and_the_environment_fills_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from tokenfleet.cli.options import settings_command
+
+    seen: list[WorkerSettings] = []
+
+    @settings_command(WorkerSettings)
+    def worker(settings: WorkerSettings) -> None:
+        seen.append(settings)
+
+    app = typer.Typer()
+    app.command()(worker)
+    env = {"TOKENFLEET_MODEL": "/from/env", "TOKENFLEET_DEVICE": "cuda:3"}
+    env |= {"TOKENFLEET_PREFIX_CACHE": "0", "TOKENFLEET_PREFIX": "env:"}
+    flags = ["--model", "tiny-random", "--kv-mb", "8", "--no-overlap", "-v", "--max-batch", "32"]
+    result = CliRunner().invoke(app, flags, env=env)
+    assert result.exit_code == 0, result.output
+    [got] = seen
+    assert (got.model, got.kv_mb, got.overlap, got.verbose) == ("tiny-random", 8, False, True)
+    assert (got.device, got.prefix_cache, got.prefix) == ("cuda:3", False, "env:")
+    assert (got.max_batch, got.max_active, got.dtype) == (32, 64, "auto")  # defaults
+    assert got.model_fields_set >= {"model", "kv_mb", "max_batch", "device", "prefix_cache"}
+    assert "max_active" not in got.model_fields_set  # not given: not passed on
+
+    refused = CliRunner().invoke(app, ["--prefix", ""], env=env)
+    assert refused.exit_code == 2
+    assert "--prefix: String should have at least 1 character" in refused.output
+
+
+def test_worker_help_shows_each_settings_default_and_variable() -> None:
+    from typer.testing import CliRunner
+
+    from tokenfleet.cli import app
+
+    out = CliRunner().invoke(app, ["worker", "--help"], env={"COLUMNS": "250"}).output
+    for line in (
+        "--kv-mb",
+        "KV cache budget, MiB [default: 256]",
+        "[default: 0.0625]",
+        "($TOKENFLEET_PREFIX_CACHE) [default: prefix-cache]",
+        "($TOKENFLEET_MODEL) [default: tiny-random]",
+        "($TOKENFLEET_REDIS_URL or $REDIS_URL) [default: redis://127.0.0.1:6379/0]",
+    ):
+        assert line in out, line
+    assert "--inject-fault-on-metadata" not in out  # hidden: tests only

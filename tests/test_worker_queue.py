@@ -8,25 +8,26 @@ from dataclasses import replace
 
 import pytest
 import redis
-from support import free_port, wait_for
 
+from tests.helpers.publish import queue_event
+from tests.helpers.reads import queue_stats
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.ticks import finish, outcome, tick
 from tokenfleet.errors import JobFailed
-from tokenfleet.fleet import live_workers, queue_stats
-from tokenfleet.keys import EVENTS_TTL_S, GROUP, RESULT_TTL_S, WORKER_TTL_S, Keys
+from tokenfleet.fleet import live_workers
+from tokenfleet.keys import DEFAULT_BAND, EVENTS_TTL_S, GROUP, RESULT_TTL_S, WORKER_TTL_S
+from tokenfleet.local import free_port
 from tokenfleet.producer import JobHandle, Producer
 from tokenfleet.protocol import (
     ErrorInfo,
     FinishEvent,
-    JobResult,
     TokenEvent,
-    Usage,
     decode_event,
     decode_request,
     decode_result,
     encode,
 )
 from tokenfleet.reasons import FinishReason
-from tokenfleet.worker.publish import queue_event
 from tokenfleet.worker.queue import (
     Accepted,
     Delivery,
@@ -37,8 +38,8 @@ from tokenfleet.worker.queue import (
     WorkerQueue,
 )
 
-KEYS = Keys()
-STREAM = KEYS.jobs()
+BAND = next(band for band in KEYS.bands() if band.name == DEFAULT_BAND)
+STREAM = BAND.stream
 
 
 def submit(r: redis.Redis, n: int) -> list[JobHandle]:
@@ -53,40 +54,17 @@ def worker(r: redis.Redis, name: str) -> WorkerQueue:
     return queue
 
 
-def outcome(
-    job_id: str, reason: FinishReason = FinishReason.LENGTH, error: ErrorInfo | None = None
-) -> tuple[JobResult, FinishEvent]:
-    usage = Usage(prompt_tokens=3, completion_tokens=0)
-    result = JobResult(job_id=job_id, finish_reason=reason, usage=usage, error=error)
-    return result, FinishEvent(job_id=job_id, reason=reason, usage=usage, error=error)
-
-
 def _d(entry_id: str, job_id: str) -> Delivery:
     """A delivery of the default band's stream, as a worker would hold it."""
-    return Delivery(entry_id, job_id, None, stream=STREAM)
+    return Delivery(entry_id, job_id, None, band=BAND)
 
 
 def verdicts(accepted: list[Accepted]) -> list[tuple[Verdict, bool]]:
     return [(a.verdict, a.cancelled) for a in accepted]
 
 
-def _tick(queue: WorkerQueue, *writes: TickWrite) -> list[TickReply]:
-    pipe = queue.redis.pipeline(transaction=False)
-    queue.tick(list(writes), pipe)
-    (reply,) = pipe.execute()
-    return queue.parse_tick(reply)
-
-
 def _tokens(job_id: str, indices: range) -> list[TokenEvent]:
     return [TokenEvent(job_id=job_id, index=i, token_id=100 + i, text=f"t{i}") for i in indices]
-
-
-def finish(
-    queue: WorkerQueue, entry_id: str, job_id: str, result: JobResult, fin: FinishEvent
-) -> bool:
-    """The job's terminal write alone (a tick with no new events): True when it ended it."""
-    (reply,) = _tick(queue, TickWrite(_d(entry_id, job_id), job_id, [], (result, fin)))
-    return reply.verdict is TickVerdict.DONE
 
 
 def events(r: redis.Redis, job_id: str) -> list[TokenEvent | FinishEvent]:
@@ -133,8 +111,7 @@ def test_jobs_submitted_before_any_worker_are_served_and_group_loss_recovers(
     a.ensure_group()  # idempotent (BUSYGROUP ignored)
 
     r.xgroup_destroy(STREAM, GROUP)  # as after a Redis restart without the group
-    result, fin = outcome("job-0")
-    assert finish(a, got[0].entry_id, "job-0", result, fin) is False  # owns nothing now
+    assert finish(a, got[0]) != [TickVerdict.DONE]  # owns nothing now
     assert finish_events(r, "job-0") == []
     assert [d.job_id for d in a.read(10)] == ["job-0", "job-1"]  # served again
 
@@ -159,7 +136,7 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     pubsub.subscribe(KEYS.channel("job-0"))
     wait_for(lambda: r.pubsub_numsub(KEYS.channel("job-0"))[0][1] == 1, 5, "subscription")
     result, fin = outcome("job-0")
-    assert finish(a, d.entry_id, "job-0", result, fin) is True
+    assert finish(a, d) == [TickVerdict.DONE]
 
     assert decode_result(r.get(KEYS.result("job-0"))) == result
     assert 0 < r.ttl(KEYS.result("job-0")) <= RESULT_TTL_S
@@ -182,8 +159,8 @@ def test_finish_writes_the_one_terminal_event_and_removes_the_entry(r: redis.Red
     assert handle.result(timeout=5) == result
 
     # Nobody can finish it again: not another worker, not the same one.
-    assert finish(worker(r, "b"), d.entry_id, "job-0", result, fin) is False
-    assert finish(a, d.entry_id, "job-0", result, fin) is False
+    assert finish(worker(r, "b"), d) != [TickVerdict.DONE]
+    assert finish(a, d) != [TickVerdict.DONE]
     assert finish_events(r, "job-0") == [fin]
 
 
@@ -193,7 +170,7 @@ def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
     (d,) = a.read(1)
     result, fin = outcome("job-0")
     write = TickWrite(d, "job-0", _tokens("job-0", range(1)), (result, fin))
-    assert _tick(a, write) == [TickReply(TickVerdict.DONE, 1)]
+    assert tick(a, write) == [TickReply(TickVerdict.DONE, 1)]
     assert [type(e) for e in events(r, "job-0")] == [TokenEvent, FinishEvent]
     assert r.xlen(STREAM) == 0
 
@@ -201,7 +178,7 @@ def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
 def test_a_tick_refuses_mismatched_job_ids(r: redis.Redis) -> None:
     result, fin = outcome("job-0")
     with pytest.raises(ValueError):
-        _tick(worker(r, "a"), TickWrite(_d("1-0", "job-1"), "job-1", [], (result, fin)))
+        tick(worker(r, "a"), TickWrite(_d("1-0", "job-1"), "job-1", [], (result, fin)))
 
 
 # --- ownership and claims ---------------------------------------------------------
@@ -215,10 +192,10 @@ def test_dead_workers_entry_moves_and_only_the_new_owner_finishes(r: redis.Redis
     assert claimed.deliveries == 2
     assert pending(r) == [(d.entry_id, "b")]
 
-    result, fin = outcome("job-0")
-    assert finish(a, d.entry_id, "job-0", result, fin) is False
+    _result, fin = outcome("job-0")
+    assert finish(a, d) != [TickVerdict.DONE]
     assert finish_events(r, "job-0") == []
-    assert finish(b, d.entry_id, "job-0", result, fin) is True
+    assert finish(b, d) == [TickVerdict.DONE]
     assert finish_events(r, "job-0") == [fin]
 
 
@@ -279,8 +256,8 @@ def test_entry_deleted_while_pending_comes_back_lost_and_can_be_dead_lettered(
     r.xdel(STREAM, gone.entry_id)  # an operator's XDEL/XTRIM
     claimed = b.claim_orphans(10, min_idle_ms=0)
     assert claimed == [
-        Delivery(gone.entry_id, None, None, deliveries=2, lost=True, stream=STREAM),
-        Delivery(kept.entry_id, "job-1", kept.payload, deliveries=2, stream=STREAM),
+        Delivery(gone.entry_id, None, None, deliveries=2, lost=True, band=BAND),
+        Delivery(kept.entry_id, "job-1", kept.payload, deliveries=2, band=BAND),
     ]
     assert pending(r) == [(kept.entry_id, "b")]
     assert b.dead_letter(claimed[0], "entry_deleted", "data deleted while pending") is True
@@ -289,7 +266,7 @@ def test_entry_deleted_while_pending_comes_back_lost_and_can_be_dead_lettered(
     assert fields[b"job_id"] == b"" and fields[b"payload"] == b""
     # A lost delivery is accepted only while the entry is nowhere: not when its data is
     # still there, nor while its (deleted) entry is pending to another consumer.
-    fake = Delivery(kept.entry_id, "job-1", None, deliveries=2, lost=True, stream=STREAM)
+    fake = Delivery(kept.entry_id, "job-1", None, deliveries=2, lost=True, band=BAND)
     assert a.dead_letter(fake, "entry_deleted", "x") is False
     c = worker(r, "c")
     Producer(r).submit(prompt="p", job_id="job-9")
@@ -373,31 +350,31 @@ def test_tick_appends_each_index_once_and_finishes_only_what_it_owns(r: redis.Re
     a.accept([d0, d1])
     w0 = TickWrite(d0, "job-0", _tokens("job-0", range(3)))
     w1 = TickWrite(d1, "job-1", _tokens("job-1", range(2)))
-    assert _tick(a, w0, w1) == [TickReply(TickVerdict.OK, 3), TickReply(TickVerdict.OK, 2)]
+    assert tick(a, w0, w1) == [TickReply(TickVerdict.OK, 3), TickReply(TickVerdict.OK, 2)]
     # A resync resends everything: only the missing indices are appended.
     again = TickWrite(d0, "job-0", _tokens("job-0", range(5)))
-    assert _tick(a, again) == [TickReply(TickVerdict.OK, 5)]
+    assert tick(a, again) == [TickReply(TickVerdict.OK, 5)]
     assert [e.index for e in events(r, "job-0")] == [0, 1, 2, 3, 4]
     assert r.hget(KEYS.job("job-0"), "emitted") == b"5"
     # An event past a hole is not appended: the worker is told where to resend from.
     hole = TickWrite(d1, "job-1", _tokens("job-1", range(3, 4)))
-    assert _tick(a, hole) == [TickReply(TickVerdict.GAP, 2)]
+    assert tick(a, hole) == [TickReply(TickVerdict.GAP, 2)]
     assert [e.index for e in events(r, "job-1")] == [0, 1]
     # Another worker never writes for a's jobs, whatever it sends.
-    assert _tick(b, TickWrite(d0, "job-0", _tokens("job-0", range(5, 9)))) == [
+    assert tick(b, TickWrite(d0, "job-0", _tokens("job-0", range(5, 9)))) == [
         TickReply(TickVerdict.LOST, 0)
     ]
     result, fin = outcome("job-0")
     result = result.model_copy(update={"token_ids": [100 + i for i in range(5)]})
     end = TickWrite(d0, "job-0", [], (result, fin))
-    assert _tick(b, end) == [TickReply(TickVerdict.LOST, 0)]
+    assert tick(b, end) == [TickReply(TickVerdict.LOST, 0)]
     assert not r.exists(KEYS.result("job-0"))
-    assert _tick(a, end) == [TickReply(TickVerdict.DONE, 5)]
+    assert tick(a, end) == [TickReply(TickVerdict.DONE, 5)]
     assert decode_result(r.get(KEYS.result("job-0"))) == result
     assert [type(e).__name__ for e in events(r, "job-0")] == ["TokenEvent"] * 5 + ["FinishEvent"]
     # Finished: a late tick (a paused worker waking up) writes nothing more.
     late = TickWrite(d0, "job-0", _tokens("job-0", range(7)), (result, fin))
-    assert _tick(a, late) == [TickReply(TickVerdict.LOST, 0)]
+    assert tick(a, late) == [TickReply(TickVerdict.LOST, 0)]
     assert len(events(r, "job-0")) == 6 and len(finish_events(r, "job-0")) == 1
     assert r.xlen(STREAM) == 1  # job-1 is still in flight
 
@@ -408,15 +385,15 @@ def test_tick_reports_cancel_and_fences_a_claimed_job(r: redis.Redis) -> None:
     (d,) = a.read(1)
     a.accept([d])
     assert handle.cancel()
-    assert _tick(a, TickWrite(d, "job-0", _tokens("job-0", range(1)))) == [
+    assert tick(a, TickWrite(d, "job-0", _tokens("job-0", range(1)))) == [
         TickReply(TickVerdict.CANCEL, 1)
     ]
     # b takes the entry over (a's heartbeat expired): a's writes are refused from now on.
     r.xclaim(STREAM, GROUP, "b", 0, [d.entry_id])
-    assert _tick(a, TickWrite(d, "job-0", _tokens("job-0", range(4)))) == [
+    assert tick(a, TickWrite(d, "job-0", _tokens("job-0", range(4)))) == [
         TickReply(TickVerdict.LOST, 0)
     ]
-    assert _tick(b, TickWrite(d, "job-0", _tokens("job-0", range(2)))) == [
+    assert tick(b, TickWrite(d, "job-0", _tokens("job-0", range(2)))) == [
         TickReply(TickVerdict.CANCEL, 2)
     ]
     assert [e.index for e in events(r, "job-0")] == [0, 1]
@@ -499,6 +476,5 @@ def test_redeliver_counts_a_retry_only_for_the_owner(r: redis.Redis) -> None:
     assert pending(r)[0] == (mine.entry_id, "a")
     r.xdel(STREAM, deleted.entry_id)
     assert a.redeliver(deleted) is None
-    result, fin = outcome("job-0")
-    assert finish(a, mine.entry_id, "job-0", result, fin) is True
+    assert finish(a, mine) == [TickVerdict.DONE]
     assert a.redeliver(mine) is None  # finished

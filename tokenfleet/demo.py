@@ -220,8 +220,8 @@ def run_demo(
     max_new_tokens: int,
     live: bool,
     model: str | None = None,
-    prefer_real_redis: bool = True,
 ) -> int:
+    """Start the fleet, submit and follow every job, show them, drain; the exit code."""
     console = Console()
     keys = Keys(prefix)
     state = DemoState()
@@ -230,91 +230,132 @@ def run_demo(
         if why is not None:
             console.print(f"[yellow]{why}[/yellow]")
     chat = model != RANDOM_MODEL
-    kv_mb = "256" if chat else "64"  # SmolLM2: 45 KiB of fp32 KV per token
-    with redis_for(redis_url, prefer_real_redis) as (url, kind):
+    with redis_for(redis_url) as (url, kind):
         console.print(f"redis: {url} ({kind}); model: {model}")
         client = redis.Redis.from_url(url)
-        fleet = LocalWorkers(
-            url,
-            prefix,
-            # float32: sampled answers stay what transformers would give whatever else
-            # is batched (bf16's rounding depends on the batch, and a 135M model that
-            # samples one odd token can run off into noise)
-            [
-                *("--model", model, "--dtype", "float32", "--threads", "1"),
-                *("--kv-mb", kv_mb, "--max-batch", "16"),
-            ],
-        )
+        fleet = LocalWorkers(url, prefix, _worker_args(model, chat))
         fleet.start(workers, name_prefix="demo")
         try:
-            with Progress(
-                SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True
-            ) as progress:
-                progress.add_task(f"starting {workers} worker(s) on {model}", total=None)
-                deadline = time.monotonic() + 120
-                while len(read_workers(client, keys)) < workers:
-                    if not fleet.alive() or time.monotonic() > deadline:
-                        console.print("[red]workers failed to start[/red]")
-                        return 1
-                    time.sleep(0.1)
+            if not _workers_up(console, client, keys, fleet, workers, model):
+                return 1
             console.print(
                 f"{workers} worker(s) up; submitting {jobs} jobs from {producers} producers"
             )
             started = time.monotonic()
-            followers: list[threading.Thread] = []
-            per_producer = [
-                jobs // producers + (1 if i < jobs % producers else 0) for i in range(producers)
-            ]
-            threads = [
-                threading.Thread(
-                    target=_produce,
-                    args=(
-                        url,
-                        keys,
-                        p,
-                        n,
-                        max_new_tokens,
-                        chat,
-                        state,
-                        None if live else console,
-                        followers,
-                    ),
-                )
-                for p, n in enumerate(per_producer)
-            ]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-
-            def view() -> Group:
-                return Group(_jobs_table(state), render_status(fleet_status(client, keys)))
-
+            printer = None if live else console  # plain lines, one per finished job
+            followers = _submit_all(
+                url, keys, jobs, producers, max_new_tokens, chat, state, printer
+            )
             if live:
-                with Live(view(), console=console, refresh_per_second=4) as screen:
-                    while any(f.is_alive() for f in followers):
-                        time.sleep(0.25)
-                        screen.update(view())
-                    screen.update(view())
+                _watch_live(console, state, client, keys, followers)
             for follower in followers:
                 follower.join()
             elapsed = time.monotonic() - started
         finally:
             codes = fleet.drain()
-        console.print(_summary(state, elapsed))
-        if live and chat:  # the live view showed tails; end with how each answer began
-            for job in state.jobs.values():
-                console.print(
-                    f"{job.job_id}: {job.prompt} → {_answer(job.text, 100)}",
-                    highlight=False,
-                    markup=False,
-                    soft_wrap=True,
-                )
-        ok = sum(
-            1 for v in state.jobs.values() if v.reason in (FinishReason.STOP, FinishReason.LENGTH)
+        return _report(console, state, elapsed, codes, jobs, answers=live and chat)
+
+
+def _worker_args(model: str, chat: bool) -> list[str]:
+    kv_mb = "256" if chat else "64"  # SmolLM2: 45 KiB of fp32 KV per token
+    # float32: sampled answers stay what transformers would give whatever else is
+    # batched (bf16's rounding depends on the batch, and a 135M model that samples one
+    # odd token can run off into noise)
+    return [
+        *("--model", model, "--dtype", "float32", "--threads", "1"),
+        *("--kv-mb", kv_mb, "--max-batch", "16"),
+    ]
+
+
+def _workers_up(
+    console: Console, client: redis.Redis, keys: Keys, fleet: LocalWorkers, workers: int, model: str
+) -> bool:
+    """Wait (up to 120 s) for every worker's heartbeat; False when one died or it timed out."""
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True
+    ) as progress:
+        progress.add_task(f"starting {workers} worker(s) on {model}", total=None)
+        deadline = time.monotonic() + 120
+        while len(read_workers(client, keys)) < workers:
+            if not fleet.alive() or time.monotonic() > deadline:
+                console.print("[red]workers failed to start[/red]")
+                return False
+            time.sleep(0.1)
+    return True
+
+
+def _submit_all(
+    url: str,
+    keys: Keys,
+    jobs: int,
+    producers: int,
+    max_new: int,
+    chat: bool,
+    state: DemoState,
+    console: Console | None,
+) -> list[threading.Thread]:
+    """Submit `jobs` jobs from `producers` threads (shared out evenly); the threads that
+    follow each job's stream."""
+    followers: list[threading.Thread] = []
+    per_producer = [
+        jobs // producers + (1 if i < jobs % producers else 0) for i in range(producers)
+    ]
+    threads = [
+        threading.Thread(
+            target=_produce,
+            args=(url, keys, p, n, max_new, chat, state, console, followers),
         )
-        console.print(
-            f"finished: {ok}/{len(state.jobs)} jobs; "
-            f"workers exited with {sorted(codes.values(), key=str)}"
-        )
-        return 0 if ok == len(state.jobs) == jobs else 1
+        for p, n in enumerate(per_producer)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return followers
+
+
+def _watch_live(
+    console: Console,
+    state: DemoState,
+    client: redis.Redis,
+    keys: Keys,
+    followers: list[threading.Thread],
+) -> None:
+    """The jobs table and the fleet's status, redrawn until every job has ended."""
+
+    def view() -> Group:
+        return Group(_jobs_table(state), render_status(fleet_status(client, keys)))
+
+    with Live(view(), console=console, refresh_per_second=4) as screen:
+        while any(f.is_alive() for f in followers):
+            time.sleep(0.25)
+            screen.update(view())
+        screen.update(view())
+
+
+def _report(
+    console: Console,
+    state: DemoState,
+    elapsed: float,
+    codes: dict[str, int | None],
+    jobs: int,
+    *,
+    answers: bool,
+) -> int:
+    """The summary table (and, after a live view of a chat model, how each answer began);
+    0 when every job finished (stop or length), else 1."""
+    console.print(_summary(state, elapsed))
+    if answers:  # the live view showed tails; end with how each answer began
+        for job in state.jobs.values():
+            console.print(
+                f"{job.job_id}: {job.prompt} → {_answer(job.text, 100)}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+    ok = sum(1 for v in state.jobs.values() if v.reason in (FinishReason.STOP, FinishReason.LENGTH))
+    console.print(
+        f"finished: {ok}/{len(state.jobs)} jobs; "
+        f"workers exited with {sorted(codes.values(), key=str)}"
+    )
+    return 0 if ok == len(state.jobs) == jobs else 1

@@ -103,5 +103,20 @@ class ModelLoadError(TokenfleetError):
     """A model folder or preset could not be loaded (missing files, unsupported architecture)."""
 
 
+class ModelConfigError(ModelLoadError, ValueError):
+    """A model config is malformed or describes something this engine cannot run."""
+
+
 class InvalidRequest(TokenfleetError, ValueError):
     """A request failed validation before reaching Redis; the message names the field."""
+
+
+class RedisServerNotFound(TokenfleetError):
+    """A local fleet (`tokenfleet demo`, `up --embedded`) runs the real redis-server, and
+    it is not on PATH."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install"
+            " redis-server; macOS: brew install redis) or point --redis-url at a running Redis"
+        )

@@ -13,6 +13,7 @@ and the engine's telemetry snapshot (`active`, `waiting`, `kv_used_bytes`,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterable, Mapping
@@ -21,20 +22,14 @@ from typing import Any, TypedDict
 
 import redis
 import redis.asyncio as aredis
-from redis.exceptions import ResponseError
 
-from tokenfleet.keys import BANDS, DEFAULT_BAND, DEFAULT_MODEL, GROUP, Keys
+from tokenfleet.keys import BANDS, DEFAULT_MODEL, GROUP, Keys
+from tokenfleet.redis_errors import is_missing_group
 
 
 def text(value: Any) -> str:
     """A Redis reply (bytes or str) as text; undecodable bytes are replaced, not raised."""
     return value.decode("utf-8", "replace") if isinstance(value, bytes | bytearray) else str(value)
-
-
-def is_missing_group(exc: ResponseError) -> bool:
-    """The stream or its consumer group does not exist (e.g. Redis restarted empty)."""
-    message = str(exc)
-    return message.startswith("NOGROUP") or message.startswith("no such key")
 
 
 # ---- one worker -------------------------------------------------------------------------
@@ -254,7 +249,7 @@ def _band_stats(depth: Any, groups: Any) -> QueueStats:
     if isinstance(depth, Exception):
         raise depth
     stats = QueueStats(depth=int(depth), lag=None, pending=0, consumers=0)
-    if isinstance(groups, ResponseError) and is_missing_group(groups):
+    if is_missing_group(groups):
         return stats
     if isinstance(groups, Exception):
         raise groups
@@ -267,23 +262,15 @@ def _band_stats(depth: Any, groups: Any) -> QueueStats:
     return stats
 
 
-def queue_stats(
-    client: redis.Redis, keys: Keys, model: str | None = None, band: str = DEFAULT_BAND
-) -> QueueStats:
-    """How full one band's jobs stream of the model is, from XLEN and XINFO GROUPS (one
-    round trip). A stream that does not exist yet is empty."""
-    name = model or DEFAULT_MODEL
-    return band_stats(client, keys, [name], bands=(band,))[name][band]
-
-
 def band_stats(
     client: redis.Redis,
     keys: Keys,
     models: Iterable[str],
     bands: Iterable[str] = BANDS,
 ) -> dict[str, dict[str, QueueStats]]:
-    """`queue_stats` of each of `bands` (all of them, highest first, unless told) of every
-    model, in one round trip: model -> band -> stats, in the order asked."""
+    """How full each of `bands` (all of them, highest first, unless told) of every
+    model's jobs streams is, from XLEN and XINFO GROUPS, in one round trip: model ->
+    band -> stats, in the order asked. A stream that does not exist yet is empty."""
     plan = [(model, band) for model in models for band in bands]
     pipe = client.pipeline(transaction=False)
     for model, band in plan:
@@ -293,3 +280,31 @@ def band_stats(
     for i, (model, band) in enumerate(plan):
         out.setdefault(model, {})[band] = _band_stats(replies[2 * i], replies[2 * i + 1])
     return out
+
+
+class FleetReader:
+    """The gateway's view of the fleet, read from the heartbeats and cached for a moment
+    (they change about once a second). Read-only: the gateway role may not prune stale
+    worker names."""
+
+    def __init__(self, client: aredis.Redis, keys: Keys, cache_s: float) -> None:
+        self.client = client
+        self.keys = keys
+        self._cache = FleetCache(cache_s)
+        self._reading: asyncio.Task[FleetView] | None = None
+
+    async def read(self, *, fresh: bool = False) -> FleetView:
+        cached = None if fresh else self._cache.get(time.monotonic())
+        if cached is not None:
+            return cached
+        if fresh:
+            return await self._read()
+        # one read for every request that finds the cache stale at once (a burst of
+        # thousands would otherwise queue thousands of reads for the connection pool)
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.create_task(self._read())
+        return await asyncio.shield(self._reading)
+
+    async def _read(self) -> FleetView:
+        now = time.monotonic()
+        return self._cache.put(now, FleetView(await read_workers_async(self.client, self.keys)))

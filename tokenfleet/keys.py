@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 DEFAULT_PREFIX = "tokenfleet:"
 DEFAULT_MODEL = "default"
@@ -50,12 +51,16 @@ def _checked(job_id: str) -> str:
     return job_id
 
 
-DEFAULT_QUEUE_CAP = 1000
+DEFAULT_QUEUE_CAP = 1000  # a jobs stream's cap until one is set; `$TOKENFLEET_QUEUE_CAP`
 GROUP = "workers"  # the one consumer group every worker of a jobs stream joins
 
-# Priority bands, highest first. A job names one (`GenerationRequest.priority`).
-BANDS = ("interactive", "default", "batch")
-DEFAULT_BAND = "default"
+# The priority bands, highest first: the one place they are named. A job names one
+# (`GenerationRequest.priority`); each is a jobs stream of its own (`Keys.bands`), and
+# its place here is its rank (0 pulls, starts and preempts first). A new band goes in
+# this Literal; the gateway's service_tier mapping (openai/models.py) says who asks for it.
+Priority = Literal["interactive", "default", "batch"]
+BANDS: tuple[Priority, ...] = get_args(Priority)
+DEFAULT_BAND: Priority = "default"
 # A band waiting while this many jobs were pulled from higher bands gets the next pull
 # (lua/pull.lua): under a saturating higher band, each waiting band below still gets
 # at least one pull in STARVATION_GUARD + 1.
@@ -64,6 +69,23 @@ STARVATION_GUARD = 16
 DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 _TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+@dataclass(frozen=True)
+class Band:
+    """One priority band of one model's queue: what a job asks for (`name`), where it
+    stands (`rank`, its place in BANDS: 0 first) and the stream its jobs wait in."""
+
+    name: Priority
+    rank: int
+    stream: str
+
+
+def band_rank(name: str) -> int:
+    """A band's rank; ValueError naming the bands for any other name."""
+    if name not in BANDS:
+        raise ValueError(f"unknown priority band {name!r}: one of {', '.join(BANDS)}")
+    return BANDS.index(name)
 
 
 def valid_tenant(name: str) -> bool:
@@ -86,14 +108,14 @@ class Keys:
     def jobs(self, model: str | None = None, band: str = DEFAULT_BAND) -> str:
         """Stream of accepted, unfinished jobs of one priority band. No TTL; never trimmed
         (XLEN = that band's depth). The default band has no suffix."""
-        if band not in BANDS:
-            raise ValueError(f"unknown priority band {band!r}: one of {', '.join(BANDS)}")
+        band_rank(band)  # a known band, or a named error
         base = f"{self.prefix}jobs:{model or DEFAULT_MODEL}"
         return base if band == DEFAULT_BAND else f"{base}@{band}"
 
-    def bands(self, model: str | None = None) -> list[str]:
-        """The model's jobs streams, highest band first (the order workers pull in)."""
-        return [self.jobs(model, band) for band in BANDS]
+    def bands(self, model: str | None = None) -> tuple[Band, ...]:
+        """The model's bands with their jobs streams, highest first (the order workers
+        pull in)."""
+        return tuple(Band(name, rank, self.jobs(model, name)) for rank, name in enumerate(BANDS))
 
     def queue_cap(self, model: str | None = None) -> str:
         """String: the cap of each of the model's bands, shared by every producer. No TTL;
@@ -104,11 +126,6 @@ class Keys:
         """Hash: band -> jobs pulled from higher bands while it waited (the starvation
         guard's count, lua/pull.lua). No TTL."""
         return f"{self.prefix}pulls:{model or DEFAULT_MODEL}"
-
-    @property
-    def group(self) -> str:
-        """Consumer group name on every jobs stream."""
-        return GROUP
 
     def models(self) -> str:
         """Set of model names that have had a jobs stream. No TTL."""
@@ -176,3 +193,45 @@ class Keys:
     def dead_letters(self) -> str:
         """Stream: jobs/entries that could not be served, with the reason. ~DEAD_LETTERS_MAXLEN."""
         return f"{self.prefix}dead"
+
+    # --- the Batch API's files and batches (batch/store.py) -----------------
+    # Ids are the store's (`file_…`, `batch_…`) or what a client asked for: unchecked, so
+    # an id that cannot exist is simply not found. None of these keys has a TTL.
+    def file(self, file_id: str) -> str:
+        """Hash: `doc`, the file object (JSON, with its owning tenant). Deleted with the file."""
+        return f"{self.prefix}file:{file_id}"
+
+    def file_content(self, file_id: str) -> str:
+        """String: the file's bytes (at most the gateway's max_file_bytes)."""
+        return f"{self.file(file_id)}:content"
+
+    def files(self, tenant: str | None = None) -> str:
+        """Sorted set: file ids by creation time, of every tenant (None) or of `tenant`."""
+        if tenant is None:
+            return f"{self.prefix}files"
+        return f"{self.prefix}files:by-tenant:{tenant}"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: `doc`, the batch object (JSON, with the driver's `tokenfleet_*` fields), and
+        `cancel` ("1" once a cancel was asked for)."""
+        return f"{self.prefix}batch:{batch_id}"
+
+    def batch_results(self, batch_id: str) -> str:
+        """Hash: line index -> its output or error line (JSON), as lines end. Deleted when
+        the batch ends (its lines are in its output and error files then)."""
+        return f"{self.batch(batch_id)}:results"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String: the gateway driving the batch (lua/lease.lua). PX the store's lease
+        (batch/store.py LEASE_MS, `GatewayConfig.batch_lease_s`), renewed by its driver."""
+        return f"{self.batch(batch_id)}:lease"
+
+    def batches(self, tenant: str | None = None) -> str:
+        """Sorted set: batch ids by creation time, of every tenant (None) or of `tenant`."""
+        if tenant is None:
+            return f"{self.prefix}batches"
+        return f"{self.prefix}batches:by-tenant:{tenant}"
+
+    def open_batches(self) -> str:
+        """Set: the batches not finished yet (what every gateway's driver looks at)."""
+        return f"{self.prefix}batches:open"

@@ -1,9 +1,10 @@
-"""A fleet on this machine, without Docker: an embedded Redis and worker processes.
+"""A fleet on this machine, without Docker: a redis-server child process and worker
+processes.
 
-Used by `tokenfleet demo` and `tokenfleet up`. The embedded Redis is the real
-`redis-server` when it is on PATH (nothing persisted, a free port, a temp
-dir); otherwise fakeredis's TCP server runs in this process (slower, but every
-command the fleet uses works on it).
+Used by `tokenfleet demo`, `tokenfleet up --embedded`, bench/ and the tests. The Redis
+is always the real `redis-server` (the fleet's Lua scripts, streams and pub/sub are
+the product, so a local fleet runs on the real thing): one not on PATH is
+`RedisServerNotFound`, which says what to install.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from tokenfleet.errors import RedisServerNotFound
 from tokenfleet.fleet import decode_worker, read_workers
 from tokenfleet.keys import DEFAULT_PREFIX, Keys
 
@@ -52,50 +53,94 @@ def wait_until_up(url: str, timeout: float = 20.0) -> None:
 
 
 @dataclass
-class EmbeddedRedis:
-    """A throw-away Redis for a local fleet. `kind` is 'redis-server' or 'fakeredis'."""
+class RedisServer:
+    """A `redis-server` child process on 127.0.0.1: `start`, `stop`, `start` again.
 
-    url: str
-    kind: str
-    _proc: subprocess.Popen[bytes] | None = None
-    _server: Any = None
-    _dir: tempfile.TemporaryDirectory[str] | None = None
+    It listens on `port` (a free one by default) and keeps its files in `dir`, or in a
+    temp dir of its own that `stop` removes. Nothing is saved unless `appendonly`
+    (which needs a `dir`: the AOF outlives a `stop`, so `restart` finds the data again).
+    A full server refuses writes (`noeviction`): the fleet's keys are never evicted.
+    `stop` and `start` keep the port, as a restarted Redis does for its clients."""
+
+    port: int = field(default_factory=free_port)
+    dir: Path | None = None
+    appendonly: bool = False
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.appendonly and self.dir is None:
+            raise ValueError("an appendonly RedisServer needs a dir that outlives its stops")
 
     @classmethod
-    def start(cls, prefer_real: bool = True) -> EmbeddedRedis:
-        port = free_port()
-        url = f"redis://127.0.0.1:{port}/0"
-        binary = shutil.which("redis-server") if prefer_real else None
-        if binary is not None:
-            workdir = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
-            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            args += ["--appendonly", "no", "--dir", workdir.name, "--loglevel", "warning"]
-            args += ["--maxmemory-policy", "noeviction"]
-            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            embedded = cls(url, "redis-server", _proc=proc, _dir=workdir)
-        else:
-            from fakeredis import TcpFakeServer
+    def launch(cls, dir: Path | None = None, appendonly: bool = False) -> RedisServer:
+        """A started server on a free port."""
+        server = cls(dir=dir, appendonly=appendonly)
+        server.start()
+        return server
 
-            server = TcpFakeServer(("127.0.0.1", port), server_type="redis")
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-            embedded = cls(url, "fakeredis", _server=server)
-        wait_until_up(url)
-        return embedded
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
 
     @property
     def pid(self) -> int | None:
-        """The redis-server's process id (None for the in-process fakeredis)."""
-        return None if self._proc is None else self._proc.pid
+        return None if self.proc is None else self.proc.pid
 
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            self._proc.wait(timeout=20)
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-        if self._dir is not None:
-            self._dir.cleanup()
+    def start(self, timeout: float = 20.0) -> None:
+        """Run redis-server and wait until it answers (RedisServerNotFound if it is not on
+        PATH, RuntimeError if it exits first, TimeoutError after `timeout` seconds)."""
+        assert self.proc is None, "this redis-server is running already"
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisServerNotFound()
+        if self.dir is not None:
+            workdir = self.dir
+        else:
+            if self._tmp is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-redis-")
+            workdir = Path(self._tmp.name)
+        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir)]
+        args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no"]
+        args += ["--maxmemory-policy", "noeviction", "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if (code := self.proc.poll()) is not None:
+                    self.proc = None
+                    raise RuntimeError(f"redis-server on port {self.port} exited with {code}")
+                try:
+                    # its own process answers, not another server already on the port
+                    if int(client.info("server")["process_id"]) == self.proc.pid:
+                        return
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop(kill=True)
+                    raise TimeoutError(f"redis-server on port {self.port} did not come up")
+                time.sleep(0.01)
+        finally:
+            client.close()
+
+    def stop(self, kill: bool = False) -> None:
+        """End the process (SIGTERM, which flushes an AOF; SIGKILL with `kill`) and reap
+        it; remove the temp dir of its own, if any."""
+        if self.proc is not None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            self.proc.wait(timeout=20)
+            self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -291,14 +336,15 @@ class LocalWorkers:
 
 
 @contextlib.contextmanager
-def redis_for(url: str | None, prefer_real: bool = True) -> Iterator[tuple[str, str]]:
-    """Yield (url, kind): the given Redis, or an embedded one stopped on exit."""
+def redis_for(url: str | None) -> Iterator[tuple[str, str]]:
+    """Yield (url, kind): the Redis at `url` ('external'), or without one a redis-server
+    of this process's own ('redis-server'), stopped on exit."""
     if url:
         wait_until_up(url, timeout=5)
         yield url, "external"
         return
-    embedded = EmbeddedRedis.start(prefer_real)
+    server = RedisServer.launch()
     try:
-        yield embedded.url, embedded.kind
+        yield server.url, "redis-server"
     finally:
-        embedded.stop()
+        server.stop()

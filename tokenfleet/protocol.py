@@ -28,6 +28,7 @@ from tokenfleet.keys import (
     TENANT_PATTERN,
     valid_job_id,
 )
+from tokenfleet.keys import Priority as Priority  # re-exported: a field type of the wire
 from tokenfleet.reasons import FinishReason
 
 SCHEMA_VERSION: Final = 1
@@ -69,8 +70,6 @@ def new_job_id() -> str:
 
 
 JobId = Annotated[str, Field(pattern=JOB_ID_PATTERN)]
-# The priority bands (keys.BANDS, highest first): which stream the job waits in.
-Priority = Literal["interactive", "default", "batch"]
 TenantName = Annotated[str, Field(pattern=TENANT_PATTERN)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 MetaInt = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what msgpack can carry
@@ -151,7 +150,7 @@ class GenerationRequest(_Message):
     structured: Structured | None = None  # constrain the output (JSON schema, regex, ...)
     # Which band the job waits in: workers fleet-wide pull interactive before default
     # before batch (with a starvation guard), and start it ahead of lower bands locally.
-    priority: Priority = "default"
+    priority: Priority = "default"  # its band (keys.BANDS): the stream it waits in
     # Whose job it is: the tenant's queued and running limits apply to it (keys.py).
     tenant: TenantName = DEFAULT_TENANT
     metadata: dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], MetaValue] = Field(

@@ -33,7 +33,7 @@ from typing import Any
 import redis
 
 from tokenfleet.fleet import text
-from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT, Keys, valid_tenant
+from tokenfleet.keys import DEFAULT_TENANT, Keys, valid_tenant
 
 QUEUED_SHARE = "queued_share"
 MAX_RUNNING = "max_running"
@@ -212,27 +212,6 @@ def decode_usage(
             by_tenant[name] = TenantUsage(queued=int(replies[i]), running=int(replies[i + 1]))
             i += 2
     return out
-
-
-def usage_by_model(
-    client: redis.Redis, keys: Keys, models: Iterable[str]
-) -> dict[str, dict[str, TenantUsage]]:
-    """Model -> tenant -> usage, for every tenant seen (zeros included): SMEMBERS of the
-    tenants, then every ZCARD in one pipelined round trip."""
-    names, wanted = tenant_names(client, keys), list(models)
-    if not names:
-        return {model: {} for model in wanted}
-    pipe = client.pipeline(transaction=False)
-    pipeline_usage(pipe, keys, names, wanted)
-    return decode_usage(names, wanted, pipe.execute())
-
-
-def tenant_usage(
-    client: redis.Redis, keys: Keys, model: str | None = None
-) -> dict[str, TenantUsage]:
-    """Every tenant seen and its jobs of `model` queued and running (zeros included)."""
-    name = model or DEFAULT_MODEL
-    return usage_by_model(client, keys, [name])[name]
 
 
 # ---- the operator's view ---------------------------------------------------------------

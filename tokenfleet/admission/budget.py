@@ -49,6 +49,16 @@ class NodeBudget:
     layout: KVLayout
     max_waiting: int = 4
 
+    def advertised(self) -> dict[str, int]:
+        """The limits a worker's heartbeat shows (`tokenfleet status`, the gateway)."""
+        return {
+            "kv_budget_bytes": self.kv_budget_bytes,
+            "max_active": self.max_active,
+            "max_batch_size": self.max_batch_size,
+            "max_prefill_tokens_per_tick": self.max_prefill_tokens_per_tick,
+            "max_waiting": self.max_waiting,
+        }
+
     def __post_init__(self) -> None:
         non_negative = ("weight_bytes", "scratch_per_session_bytes", "scratch_total_bytes")
         for name in (*non_negative, "max_waiting"):

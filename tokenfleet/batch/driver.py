@@ -11,7 +11,8 @@ repeat after a crash:
     in_progress  submit the next lines, in the batch priority band for the batch's
                  tenant, while the batch has fewer than `max_in_flight` jobs out and the
                  model's batch band is under `queue_share` of its cap (a full band or a
-                 tenant at its limit means wait, never fail); read the results of jobs out
+                 tenant at its limit means wait, never fail: batch/pacing.py, the rule
+                 `tokenfleet batch run` follows too); read the results of jobs out
                  (one MGET), write each line's output as it ends; all done -> finalizing
     finalizing   write the output and error files in line order -> completed
     cancelling   cancel the jobs out, wait for their ends; every line that did not
@@ -34,9 +35,9 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tokenfleet.batch.format import (
@@ -52,6 +53,15 @@ from tokenfleet.batch.format import (
     succeeded,
     to_request,
     unrun_line,
+)
+from tokenfleet.batch.pacing import (
+    Invalid,
+    Need,
+    Pacing,
+    Room,
+    Sent,
+    carry_out_async,
+    submit_round,
 )
 from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id, tenant_of
 from tokenfleet.errors import QueueFull
@@ -71,6 +81,10 @@ class DriverConfig:
     poll_s: float = 0.25  # between steps of a batch
     scan_s: float = 1.0  # between looks for batches to drive
     chat_max_tokens: int = 256
+
+    @property
+    def pacing(self) -> Pacing:
+        return Pacing(max_in_flight=self.max_in_flight, queue_share=self.queue_share)
 
 
 def now() -> int:
@@ -261,52 +275,48 @@ class Run:
         self.out -= ended.keys()
 
     async def _submit_more(self, doc: dict[str, Any]) -> None:
-        view = await self._view()
+        """One round of submits (batch/pacing.py); the lines refused for good are failed."""
         failed: dict[int, dict[str, Any]] = {}
-        room: dict[str, int] = {}  # jobs each model's queue takes this step
-        while self.next < len(self.lines) and len(self.out) < self.config.max_in_flight:
-            line = self.lines[self.next]
-            if line.body is None or line.index in self.done:  # failed at validation
-                self.next += 1
-                continue
-            model = line.body.model
-            if model not in room:
-                room[model] = await self._room(model)
-            if room[model] <= 0:
-                break  # the queue is busy: wait, leave room for interactive work
-            served = view.models.get(model)
-            try:
-                job = to_request(
-                    self.id,
-                    line,
-                    served,
-                    chat_max_tokens=self.config.chat_max_tokens,
-                    tenant=tenant_of(doc),
-                    priority=BATCH_BAND,
-                )
-                await self.producer.submit(job, capacity=served.max_job_tokens if served else None)
-            except QueueFull:  # the band, or the tenant's limit (TenantQueueFull)
-                break  # not the batch's fault: retry on the next step
-            except SUBMIT_REFUSALS as exc:
-                failed[line.index] = refused_line(self.id, line, exc)
-                self.next += 1
-                continue
-            room[model] -= 1
-            self.out.add(line.index)
-            self.next += 1
+        plan = submit_round(self.config.pacing, self.lines, self.next, len(self.out), self.done)
+        answer = partial(self._answer, await self._view(), tenant_of(doc), failed)
+        self.next = await carry_out_async(plan, answer)
         await self.store.put_results(self.id, failed)
         doc["request_counts"]["failed"] += len(failed)
         self.done |= failed.keys()
         doc["tokenfleet_submitted"] = self.next
 
-    async def _room(self, model: str) -> int:
-        """How many more jobs the model's batch band takes before it is `queue_share` full
-        (each band has the model's cap)."""
-        stream_model = None if model == DEFAULT_MODEL else model
-        raw = await self.producer.redis.get(self.producer.keys.queue_cap(stream_model))
-        cap = int(raw) if raw is not None else self.producer.default_cap
-        depth = await self.producer.depth(stream_model, BATCH_BAND)
-        return math.ceil(cap * self.config.queue_share) - depth
+    async def _answer(
+        self, view: FleetView, tenant: str, failed: dict[int, dict[str, Any]], need: Need
+    ) -> Any:
+        """What a round of `submit_round` needs, done on the asyncio producer. Lines that
+        failed validation have their error line already (they are `done`)."""
+        if isinstance(need, Room):  # the model's cap (each band's) and its batch band's depth
+            model = None if need.model == DEFAULT_MODEL else need.model
+            raw = await self.producer.redis.get(self.producer.keys.queue_cap(model))
+            cap = int(raw) if raw is not None else self.producer.default_cap
+            return cap, await self.producer.depth(model, BATCH_BAND)
+        if isinstance(need, Invalid):
+            return None
+        line = need.line
+        assert line.body is not None
+        served = view.models.get(line.body.model)
+        try:
+            job = to_request(
+                self.id,
+                line,
+                served,
+                chat_max_tokens=self.config.chat_max_tokens,
+                tenant=tenant,
+                priority=BATCH_BAND,
+            )
+            await self.producer.submit(job, capacity=served.max_job_tokens if served else None)
+        except QueueFull:  # the band, or the tenant's limit (TenantQueueFull)
+            return Sent.FULL
+        except SUBMIT_REFUSALS as exc:
+            failed[line.index] = refused_line(self.id, line, exc)
+            return Sent.REFUSED
+        self.out.add(line.index)
+        return Sent.OUT
 
     async def _finish(self, doc: dict[str, Any], status: str) -> dict[str, Any]:
         results = await self.store.results(self.id)

@@ -39,15 +39,15 @@ from pydantic import ValidationError
 
 from tokenfleet.errors import InvalidRequest, JobRejected
 from tokenfleet.fleet import ServedModel
-from tokenfleet.gateway.errors import from_finish
-from tokenfleet.gateway.openai_models import (
+from tokenfleet.keys import DEFAULT_TENANT
+from tokenfleet.openai.errors import from_finish
+from tokenfleet.openai.models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.gateway.render import Renderer
-from tokenfleet.keys import DEFAULT_TENANT
+from tokenfleet.openai.render import Renderer
 from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, Priority
 from tokenfleet.reasons import FinishReason
 

@@ -1,6 +1,6 @@
 """Files and batches in Redis, so that any gateway replica can serve or finish them.
 
-Keys (under the fleet's prefix P):
+Keys (under the fleet's prefix P; built by `Keys`, keys.py):
 
     P file:ID            hash: the file object (id, bytes, created_at, filename, purpose,
                          and the owning tenant in `tokenfleet_tenant`)
@@ -39,6 +39,7 @@ import redis.asyncio as aredis
 
 from tokenfleet.keys import DEFAULT_TENANT, Keys
 from tokenfleet.lua import LEASE_LUA
+from tokenfleet.lua.calls import LeaseCall
 
 LEASE_MS = 15_000  # a driver that stops renewing loses its batches after this long
 
@@ -77,24 +78,12 @@ class BatchStore:
         self, client: aredis.Redis, keys: Keys, *, max_file_bytes: int, lease_ms: int = LEASE_MS
     ) -> None:
         self.r = client
-        self.p = keys.prefix
+        self.keys = keys
         self.max_file_bytes = max_file_bytes
         self.lease_ms = lease_ms
         self._lease = client.register_script(LEASE_LUA)
 
-    # ---- keys ---------------------------------------------------------------------
-
-    def file_key(self, file_id: str) -> str:
-        return f"{self.p}file:{file_id}"
-
-    def batch_key(self, batch_id: str) -> str:
-        return f"{self.p}batch:{batch_id}"
-
     # ---- files ------------------------------------------------------------------------
-
-    def _mine(self, kind: str, tenant: str) -> str:
-        """The zset of one tenant's files or batches (`kind`: files | batches)."""
-        return f"{self.p}{kind}:by-tenant:{tenant}"
 
     async def put_file(
         self, content: bytes, filename: str, purpose: str, tenant: str = DEFAULT_TENANT
@@ -115,19 +104,18 @@ class BatchStore:
             "status": "processed",
             TENANT_FIELD: tenant,
         }
-        key = self.file_key(file_id)
         created = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.set(f"{key}:content", content)
-            pipe.hset(key, mapping={"doc": json.dumps(doc)})
-            pipe.zadd(f"{self.p}files", {file_id: created})
-            pipe.zadd(self._mine("files", tenant), {file_id: created})
+            pipe.set(self.keys.file_content(file_id), content)
+            pipe.hset(self.keys.file(file_id), mapping={"doc": json.dumps(doc)})
+            pipe.zadd(self.keys.files(), {file_id: created})
+            pipe.zadd(self.keys.files(tenant), {file_id: created})
             await pipe.execute()
         return doc
 
     async def file(self, file_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The file object; NotFound when it does not exist or `tenant` does not own it."""
-        raw = await self.r.hget(self.file_key(file_id), "doc")
+        raw = await self.r.hget(self.keys.file(file_id), "doc")
         if raw is None:
             raise NotFound(f"no file {file_id!r}")
         return _owned(json.loads(raw), tenant, "file")
@@ -135,14 +123,14 @@ class BatchStore:
     async def content(self, file_id: str, tenant: str | None = None) -> bytes:
         if tenant is not None:
             await self.file(file_id, tenant)
-        data = await self.r.get(f"{self.file_key(file_id)}:content")
+        data = await self.r.get(self.keys.file_content(file_id))
         if data is None:
             raise NotFound(f"no file {file_id!r}")
         return bytes(data)
 
     async def files(self, tenant: str, limit: int = 100) -> list[dict[str, Any]]:
         """The tenant's files, newest first."""
-        ids = await self.r.zrevrange(self._mine("files", tenant), 0, limit - 1)
+        ids = await self.r.zrevrange(self.keys.files(tenant), 0, limit - 1)
         docs = []
         for raw_id in ids:
             try:
@@ -157,11 +145,10 @@ class BatchStore:
             doc = await self.file(file_id, tenant)
         except NotFound:
             return False
-        key = self.file_key(file_id)
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.delete(key, f"{key}:content")
-            pipe.zrem(f"{self.p}files", file_id)
-            pipe.zrem(self._mine("files", tenant_of(doc)), file_id)
+            pipe.delete(self.keys.file(file_id), self.keys.file_content(file_id))
+            pipe.zrem(self.keys.files(), file_id)
+            pipe.zrem(self.keys.files(tenant_of(doc)), file_id)
             deleted, *_ = await pipe.execute()
         return bool(deleted)
 
@@ -170,27 +157,27 @@ class BatchStore:
     async def create_batch(self, doc: dict[str, Any], tenant: str = DEFAULT_TENANT) -> None:
         """Store a new batch, its jobs to run for `tenant` (the creating API key's)."""
         doc = {**doc, TENANT_FIELD: tenant}
-        key = self.batch_key(doc["id"])
+        batch_id = doc["id"]
         created = time.time()
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(key, mapping={"doc": json.dumps(doc)})
-            pipe.zadd(f"{self.p}batches", {doc["id"]: created})
-            pipe.zadd(self._mine("batches", tenant), {doc["id"]: created})
-            pipe.sadd(f"{self.p}batches:open", doc["id"])
+            pipe.hset(self.keys.batch(batch_id), mapping={"doc": json.dumps(doc)})
+            pipe.zadd(self.keys.batches(), {batch_id: created})
+            pipe.zadd(self.keys.batches(tenant), {batch_id: created})
+            pipe.sadd(self.keys.open_batches(), batch_id)
             await pipe.execute()
 
     async def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The batch object; NotFound when it does not exist or `tenant` does not own it."""
-        raw = await self.r.hget(self.batch_key(batch_id), "doc")
+        raw = await self.r.hget(self.keys.batch(batch_id), "doc")
         if raw is None:
             raise NotFound(f"no batch {batch_id!r}")
         return _owned(json.loads(raw), tenant, "batch")
 
     async def save_batch(self, doc: dict[str, Any]) -> None:
         async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(self.batch_key(doc["id"]), "doc", json.dumps(doc))
+            pipe.hset(self.keys.batch(doc["id"]), "doc", json.dumps(doc))
             if doc["status"] in TERMINAL:
-                pipe.srem(f"{self.p}batches:open", doc["id"])
+                pipe.srem(self.keys.open_batches(), doc["id"])
             await pipe.execute()
 
     async def batches(
@@ -198,7 +185,7 @@ class BatchStore:
     ) -> list[dict[str, Any]]:
         """The tenant's batches, newest first; `after`: continue below that batch id
         (OpenAI's pagination)."""
-        key = self._mine("batches", tenant)
+        key = self.keys.batches(tenant)
         top = "+inf"
         if after is not None:
             score = await self.r.zscore(key, after)
@@ -215,45 +202,46 @@ class BatchStore:
         return docs
 
     async def request_cancel(self, batch_id: str) -> None:
-        await self.r.hset(self.batch_key(batch_id), "cancel", "1")
+        await self.r.hset(self.keys.batch(batch_id), "cancel", "1")
 
     async def cancel_requested(self, batch_id: str) -> bool:
-        return bool(await self.r.hget(self.batch_key(batch_id), "cancel"))
+        return bool(await self.r.hget(self.keys.batch(batch_id), "cancel"))
 
     async def open_batch_ids(self) -> list[str]:
         """Batches not in a terminal state (what a driver may pick up)."""
-        return sorted(raw.decode() for raw in await self.r.smembers(f"{self.p}batches:open"))
+        return sorted(raw.decode() for raw in await self.r.smembers(self.keys.open_batches()))
 
     # ---- results, as lines end ----------------------------------------------------------
 
     async def put_results(self, batch_id: str, lines: dict[int, dict[str, Any]]) -> None:
         if lines:
             await self.r.hset(
-                f"{self.batch_key(batch_id)}:results",
+                self.keys.batch_results(batch_id),
                 mapping={str(i): json.dumps(line) for i, line in lines.items()},
             )
 
     async def results(self, batch_id: str) -> dict[int, dict[str, Any]]:
-        raw = await self.r.hgetall(f"{self.batch_key(batch_id)}:results")
+        raw = await self.r.hgetall(self.keys.batch_results(batch_id))
         return {int(k): json.loads(v) for k, v in raw.items()}
 
     async def drop_results(self, batch_id: str) -> None:
-        await self.r.delete(f"{self.batch_key(batch_id)}:results")
+        await self.r.delete(self.keys.batch_results(batch_id))
 
     # ---- who drives a batch -----------------------------------------------------------
 
     async def take_lease(self, batch_id: str, owner: str) -> bool:
         """Take or renew the batch's lease (True while `owner` holds it); one script, so
         a driver paused past its lease never renews the next holder's."""
-        reply = await self._lease(
-            keys=[f"{self.batch_key(batch_id)}:lease"], args=[owner, self.lease_ms, "take"]
+        call = LeaseCall(
+            lease=self.keys.batch_lease(batch_id), owner=owner, ms=self.lease_ms, action="take"
         )
-        return bool(reply)
+        return LeaseCall.parse(await self._lease(keys=call.keys(), args=call.args()))
 
     async def release_lease(self, batch_id: str, owner: str) -> None:
-        await self._lease(
-            keys=[f"{self.batch_key(batch_id)}:lease"], args=[owner, self.lease_ms, "release"]
+        call = LeaseCall(
+            lease=self.keys.batch_lease(batch_id), owner=owner, ms=self.lease_ms, action="release"
         )
+        await self._lease(keys=call.keys(), args=call.args())
 
 
 __all__ = [

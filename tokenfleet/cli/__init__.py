@@ -1,10 +1,11 @@
 """The `tokenfleet` command line: one module per command group, registered here.
 
-Settings and flags are read in these modules only (`common.settings` puts the
-flags over the environment); each command parses its flags and hands them to
-the code that does the work (`tokenfleet.worker.main.build_worker`, the producer,
-`tokenfleet.status`, ...). Heavy imports (torch, redis, the gateway) wait until a
-command runs, so `tokenfleet --help` stays fast.
+Settings and flags are read in these modules only: `options` builds each flag of
+a settings field (tokenfleet/config/) from its declaration and puts the flags
+given over the environment; each command hands the settings to the code that does
+the work (`tokenfleet.worker.main.build_worker`, the producer, `tokenfleet.status`,
+...). Heavy imports (torch, redis, the gateway) wait until a command runs, so
+`tokenfleet --help` stays fast.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 
 import typer
 
-from tokenfleet.cli import admin, batch, fleet, gateway, jobs, tenants, worker
+from tokenfleet.cli import admin, batch, gateway, jobs, overview, tenants, worker
 
 __all__ = ["app", "main"]
 
@@ -28,10 +29,10 @@ app = typer.Typer(
 app.command("queue-cap")(jobs.queue_cap)
 app.command("submit")(jobs.submit)
 app.command("worker")(worker.worker)
-app.command("demo")(fleet.demo)
-app.command("status")(fleet.status)
-app.command("top")(fleet.top)
-app.command("up")(fleet.up)
+app.command("demo")(overview.demo)
+app.command("status")(overview.status)
+app.command("top")(overview.top)
+app.command("up")(overview.up)
 app.command("dead-letters")(jobs.dead_letters)
 app.add_typer(tenants.app, name="tenants")
 app.command("gateway")(gateway.gateway)
@@ -44,11 +45,17 @@ app.add_typer(batch.app, name="batch")
 
 
 def main() -> None:
-    """The console entry point: run the app; an unreachable Redis is exit code 2."""
+    """The console entry point: run the app; an unreachable Redis, or no redis-server for
+    a local fleet, is exit code 2."""
     import redis
+
+    from tokenfleet.errors import RedisServerNotFound
 
     try:
         app()
     except redis.ConnectionError as exc:
         typer.echo(f"error: cannot reach Redis ({exc})", err=True)
+        sys.exit(2)
+    except RedisServerNotFound as exc:
+        typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

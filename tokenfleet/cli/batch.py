@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -11,7 +11,7 @@ from tokenfleet.cli.common import Prefix, RedisUrl, connect_producer, fail
 from tokenfleet.keys import BANDS, DEFAULT_TENANT, TENANT_PATTERN, valid_tenant
 
 if TYPE_CHECKING:
-    from tokenfleet.protocol import Priority
+    pass
 
 app = typer.Typer(help="OpenAI-style batch files, straight through a producer (no gateway).")
 
@@ -50,8 +50,8 @@ def run(
     )
 
     from tokenfleet.batch.format import BatchInputError
-    from tokenfleet.batch.runner import Progress as Counts
-    from tokenfleet.batch.runner import run_batch
+    from tokenfleet.batch.offline import Progress as Counts
+    from tokenfleet.batch.offline import run_batch
 
     if max_in_flight < 1 or not 0 < queue_share <= 1:
         raise fail("--max-in-flight must be >= 1 and --queue-share in (0, 1]")
@@ -93,7 +93,7 @@ def run(
                 max_in_flight=max_in_flight,
                 queue_share=queue_share,
                 tenant=tenant,
-                priority=cast("Priority", priority),
+                priority=priority,
                 on_progress=show,
             )
         except BatchInputError as exc:

@@ -6,34 +6,23 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from tokenfleet.cli.options import fail, load, option
 from tokenfleet.config import Settings
 from tokenfleet.keys import Keys
 
 if TYPE_CHECKING:
     from tokenfleet.producer import Producer
 
-RedisUrl = Annotated[
-    str | None,
-    typer.Option("--redis-url", help="Redis URL (default: $REDIS_URL or redis://127.0.0.1:6379/0)"),
-]
-Prefix = Annotated[str | None, typer.Option("--prefix", help="key prefix of the fleet")]
+__all__ = ["Model", "Prefix", "RedisUrl", "connect", "connect_producer", "fail", "settings"]
+
+RedisUrl = Annotated[str | None, option(Settings, "redis_url")]
+Prefix = Annotated[str | None, option(Settings, "prefix")]
 Model = Annotated[str | None, typer.Option("--model", help="model name (one jobs stream each)")]
 
 
 def settings(redis_url: str | None = None, prefix: str | None = None) -> Settings:
-    """Environment settings, with any flags given on the command line taking precedence."""
-    overrides: dict[str, str] = {}
-    if redis_url:
-        overrides["redis_url"] = redis_url
-    if prefix:
-        overrides["prefix"] = prefix
-    return Settings().model_copy(update=overrides)
-
-
-def fail(message: str) -> typer.Exit:
-    """Print `error: MESSAGE` to stderr; raise the result to exit with code 2."""
-    typer.echo(f"error: {message}", err=True)
-    return typer.Exit(code=2)
+    """The environment's settings, with any flags given on the command line on top."""
+    return load(Settings, redis_url=redis_url, prefix=prefix)
 
 
 def connect(redis_url: str | None, prefix: str | None) -> tuple[Settings, Any, Keys]:

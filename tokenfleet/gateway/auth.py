@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass, field
-from typing import cast, get_args
 
 from starlette.requests import Request
 
-from tokenfleet.gateway.errors import unauthorized
 from tokenfleet.keys import BANDS, DEFAULT_TENANT, TENANT_PATTERN, valid_tenant
+from tokenfleet.openai.errors import unauthorized
 from tokenfleet.protocol import Priority
-
-assert set(get_args(Priority)) == set(BANDS)
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ def parse_api_key(entry: str, position: int = 1) -> ApiKey:
         return ApiKey(token, Caller(tenant))
     if priority not in BANDS:
         raise ValueError(f"{where}: priority {priority!r} is not one of {', '.join(BANDS)}")
-    return ApiKey(token, Caller(tenant, cast(Priority, priority)))
+    return ApiKey(token, Caller(tenant, priority))
 
 
 def parse_api_keys(entries: tuple[str, ...]) -> tuple[ApiKey, ...]:

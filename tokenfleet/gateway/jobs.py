@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from tokenfleet.backoff import Backoff
 from tokenfleet.errors import JobLost
 from tokenfleet.gateway.subscriber import Resync, Subscriber
 from tokenfleet.keys import Keys
@@ -37,9 +38,15 @@ from tokenfleet.protocol import FinishEvent, TokenEvent
 Event = TokenEvent | FinishEvent
 log = logging.getLogger(__name__)
 
-REPLAY_POLL_S = 10.0  # with no event for this long, re-read the replay stream anyway
+# Every stream of a gateway shares a few pub/sub connections, which hand each watcher
+# RESYNC after a reconnect, and a gap in the indexes triggers a replay: this poll only
+# catches a dropped message with nothing after it (the finish). With thousands of
+# streams open it must be rare: at the producer's 0.5 s (producer/follow.py, one job on
+# its own subscription), 10,000 streams would be 20,000 XRANGEs a second.
+SHARED_SUBSCRIPTION_POLL_S = 10.0
 RETRY_S = 0.5  # a replay or status read that failed on Redis is tried again after this
-CANCEL_BACKOFF_S = (0.2, 10.0)  # a cancel that could not be sent: first, longest retry delay
+CANCEL_RETRY_FIRST_S = 0.2  # a cancel that could not be sent is retried after this; it
+CANCEL_RETRY_MAX_S = 10.0  # doubles per failure up to this
 
 
 class ClientGone(Exception):
@@ -82,19 +89,22 @@ class Canceller:
         return True
 
     async def _retry(self, handle: AsyncJobHandle) -> None:
-        delay, longest = CANCEL_BACKOFF_S
-        give_up = time.monotonic() + self.give_up_s
+        backoff = Backoff(
+            CANCEL_RETRY_FIRST_S, CANCEL_RETRY_MAX_S, jitter=0.0, limit_s=self.give_up_s
+        )
+        pause = backoff.failed(time.monotonic())  # the try `cancel` made
         while True:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(pause)
             try:
                 await handle.cancel()
                 log.info("job %s cancelled after a retry", handle.id)
                 return
             except RedisError as exc:
-                if time.monotonic() + delay > give_up:
+                now = time.monotonic()
+                pause = backoff.failed(now)
+                if backoff.over(now):
                     log.error("giving up cancelling job %s: %s", handle.id, exc)
                     return
-            delay = min(delay * 2, longest)
 
     async def aclose(self) -> None:
         for task in list(self._retries):
@@ -141,9 +151,8 @@ class JobEvents:
         self._queue_timeout_s = queue_timeout_s
         now = time.monotonic()
         self._queue_by = None if queue_timeout_s is None else now + queue_timeout_s
-        self._poll_at = now + REPLAY_POLL_S
-        self._outage_s = outage_s
-        self._outage_since: float | None = None
+        self._poll_at = now + SHARED_SUBSCRIPTION_POLL_S
+        self._outage = Backoff(RETRY_S, RETRY_S, jitter=0.0, limit_s=outage_s)
         self._closed = False
         self._subscribed = asyncio.Event()
         self._submitted = False  # from now on the job may exist and publish
@@ -200,7 +209,7 @@ class JobEvents:
                 raise ClientGone
             self._ready.extend(self._asm.ready())
         event = self._ready.popleft()
-        self._poll_at = time.monotonic() + REPLAY_POLL_S
+        self._poll_at = time.monotonic() + SHARED_SUBSCRIPTION_POLL_S
         if isinstance(event, FinishEvent):
             self.finish = event
         return event
@@ -237,10 +246,10 @@ class JobEvents:
                 self._keys.events(self.handle.id), asm.replay_start(), "+"
             )
         except RedisError as exc:
-            self._outage(exc)
+            self._outage_failed(exc)
             return
-        self._outage_since = None
-        self._poll_at = time.monotonic() + REPLAY_POLL_S
+        self._outage.succeeded()
+        self._poll_at = time.monotonic() + SHARED_SUBSCRIPTION_POLL_S
         if asm.feed_entries(entries):
             self.started = True
         self._ready.extend(asm.ready())
@@ -250,8 +259,7 @@ class JobEvents:
         try:
             status = await self._redis.hget(self._keys.job(self.handle.id), "status")
         except RedisError as exc:
-            self._outage(exc)
-            self._queue_by = time.monotonic() + RETRY_S
+            self._queue_by = time.monotonic() + self._outage_failed(exc)
             return
         if status == b"queued":
             raise QueueTimeout(self._queue_timeout_s)
@@ -260,14 +268,15 @@ class JobEvents:
         self.started = True  # running (or finished: the replay below reads its end)
         await self._replay()
 
-    def _outage(self, exc: RedisError) -> None:
-        """Redis did not answer: try again soon, until it has been gone for `outage_s`."""
+    def _outage_failed(self, exc: RedisError) -> float:
+        """Redis did not answer: the pause before trying again (RETRY_S; the replay poll
+        moves to then), until Redis has been gone for `outage_s`: then raise `exc`."""
         now = time.monotonic()
-        if self._outage_since is None:
-            self._outage_since = now
-        elif now - self._outage_since > self._outage_s:
+        pause = self._outage.failed(now)
+        if self._outage.over(now):
             raise exc
-        self._poll_at = now + RETRY_S
+        self._poll_at = now + pause
+        return pause
 
     def stop_watching(self) -> None:
         """Hand the connection to Starlette's own disconnect watch (streaming responses)."""

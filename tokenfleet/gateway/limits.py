@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenfleet.gateway.errors import ApiError
 from tokenfleet.gateway.metrics import GatewayMetrics
+from tokenfleet.gateway.responses import error_response
+from tokenfleet.openai.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class BodyLimit:
                     declared = -1
                 if declared > limit.max_bytes:
                     self.metrics.body_too_large.inc()
-                    await BodyTooLarge(limit, declared).response()(scope, receive, send)
+                    await error_response(BodyTooLarge(limit, declared))(scope, receive, send)
                     return
                 break
         seen = 0

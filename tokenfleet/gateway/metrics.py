@@ -166,7 +166,7 @@ async def read_fleet(
     raw_models, raw_tenants = await pipe.execute()
     models = sorted({text(m) for m in raw_models} | {DEFAULT_MODEL})
     names = valid_names(raw_tenants)
-    plan = [(model, band) for model in models for band in BANDS]
+    plan: list[tuple[str, str]] = [(model, band) for model in models for band in BANDS]
     pipe = client.pipeline(transaction=False)
     for model, band in plan:
         pipe.xlen(keys.jobs(model, band))

@@ -21,27 +21,19 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
 import redis.asyncio as aredis
 from pydantic import ValidationError
-from redis.exceptions import (
-    AuthenticationError,
-    NoPermissionError,
-    OutOfMemoryError,
-    RedisError,
-)
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tokenfleet.config import Settings
+from tokenfleet.config import GatewayConfig
 from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull, TenantQueueFull
-from tokenfleet.fleet import ServedModel
-from tokenfleet.gateway.auth import ANONYMOUS, ApiKey, Caller, caller_of, parse_api_keys
-from tokenfleet.gateway.errors import ApiError, from_finish, from_queue_full, from_validation
-from tokenfleet.gateway.fleet import FleetReader
+from tokenfleet.fleet import FleetReader, ServedModel
+from tokenfleet.gateway.auth import ANONYMOUS, Caller, caller_of
 from tokenfleet.gateway.jobs import (
     Canceller,
     ClientGone,
@@ -50,104 +42,30 @@ from tokenfleet.gateway.jobs import (
     QueueTimeout,
 )
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
-from tokenfleet.gateway.openai_models import (
+from tokenfleet.gateway.subscriber import Subscriber
+from tokenfleet.keys import DEFAULT_MODEL, Keys
+from tokenfleet.openai.errors import ApiError, from_finish, from_queue_full, from_validation
+from tokenfleet.openai.models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     SERVICE_TIER_OF,
     ChatCompletionRequest,
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.gateway.render import DONE, KEEPALIVE, Renderer
-from tokenfleet.gateway.subscriber import Subscriber
-from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_PREFIX, DEFAULT_QUEUE_CAP, Keys
+from tokenfleet.openai.render import DONE, KEEPALIVE, Renderer
 from tokenfleet.producer import AsyncProducer
 from tokenfleet.protocol import (
-    MAX_NEW_TOKENS,
     MODEL_NAME_PATTERN,
     FinishEvent,
     GenerationRequest,
     TokenEvent,
 )
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, FinishReason
+from tokenfleet.redis_errors import RedisFault, fault_of
 
 Kind = Literal["completions", "chat"]
 log = logging.getLogger(__name__)
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
-MAX_BODY_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """How one gateway runs. Built at the edge (the CLI) from `Settings` and flags."""
-
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    prefix: str = DEFAULT_PREFIX
-    queue_cap: int = DEFAULT_QUEUE_CAP  # the cap of a stream that has none set yet
-    # accepted bearer tokens, each `KEY`, `KEY=TENANT` or `KEY=TENANT:PRIORITY`
-    # (gateway/auth.py); empty = no auth, every request tenant `default`
-    api_keys: tuple[str, ...] = ()
-    retry_after_s: int = 1  # the Retry-After of a 429
-    default_max_tokens: int = 256  # chat requests that name no max_tokens
-    job_timeout_s: float | None = None  # every job's deadline, from submit; None = none
-    fleet_cache_s: float = 1.0  # how long a read of the workers' heartbeats is reused
-    keepalive_s: float = 15.0  # an SSE comment after this much silence in a stream
-    queue_timeout_s: float | None = 30.0  # 503 when no worker started the job by then
-    max_body_bytes: int = MAX_BODY_BYTES  # a bigger request body is a 413, unread
-    redis_connections: int = 64  # the command pool's size (requests wait for one)
-    redis_wait_s: float = 30.0  # how long a command waits for a pooled connection
-    pubsub_connections: int = 2  # every stream's events, multiplexed over these
-    redis_outage_s: float = 60.0  # a stream outlives a Redis outage this long
-    cancel_retry_s: float = 300.0  # a cancel that failed on Redis is retried this long
-    max_file_bytes: int = 32 * 1024 * 1024  # one /v1/files upload, kept in Redis
-    batches: bool = True  # drive /v1/batches from this gateway (any replica may)
-    batch_max_in_flight: int = 64  # jobs one batch has out at once
-    batch_queue_share: float = 0.5  # a batch submits only while its queue is under this share
-    batch_lease_s: float = 15.0  # a batch whose gateway died is picked up after this long
-
-    def __post_init__(self) -> None:
-        parse_api_keys(self.api_keys)  # ValueError naming a bad entry (never its key)
-        if self.retry_after_s < 0:
-            raise ValueError("retry_after_s must be ≥ 0")
-        if not 1 <= self.default_max_tokens <= MAX_NEW_TOKENS:
-            raise ValueError(f"default_max_tokens must be 1 … {MAX_NEW_TOKENS}")
-        if self.job_timeout_s is not None and self.job_timeout_s <= 0:
-            raise ValueError("job_timeout_s must be > 0")
-        if self.keepalive_s <= 0 or self.fleet_cache_s < 0:
-            raise ValueError("keepalive_s must be > 0 and fleet_cache_s ≥ 0")
-        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
-            raise ValueError("queue_timeout_s must be > 0 (None: no queue timeout)")
-        if self.max_body_bytes < 1024:
-            raise ValueError("max_body_bytes must be ≥ 1024")
-        if self.redis_connections < 2 or self.pubsub_connections < 1:
-            raise ValueError("redis_connections must be ≥ 2 and pubsub_connections ≥ 1")
-        if self.max_file_bytes < 1 or self.batch_max_in_flight < 1:
-            raise ValueError("max_file_bytes and batch_max_in_flight must be ≥ 1")
-        if not 0 < self.batch_queue_share <= 1:
-            raise ValueError("batch_queue_share must be in (0, 1]")
-        if self.redis_wait_s <= 0 or self.redis_outage_s < 0 or self.cancel_retry_s < 0:
-            raise ValueError("redis_wait_s must be > 0, redis_outage_s and cancel_retry_s ≥ 0")
-
-    @classmethod
-    def from_settings(cls, settings: Settings, **overrides: Any) -> GatewayConfig:
-        base = cls(
-            redis_url=settings.redis_url,
-            prefix=settings.prefix,
-            queue_cap=settings.queue_cap,
-            queue_timeout_s=settings.gateway_queue_timeout or None,
-            max_body_bytes=settings.gateway_max_body_bytes,
-            redis_connections=settings.gateway_redis_connections,
-            pubsub_connections=settings.gateway_pubsub_connections,
-            keepalive_s=settings.gateway_keepalive,
-            max_file_bytes=settings.gateway_max_file_bytes,
-            batch_max_in_flight=settings.gateway_batch_max_in_flight,
-            batch_lease_s=settings.gateway_batch_lease_s,
-        )
-        return replace(base, **overrides)
-
-    @property
-    def parsed_keys(self) -> tuple[ApiKey, ...]:
-        """The parsed `api_keys`: each key's tenant and default priority."""
-        return parse_api_keys(self.api_keys)
 
 
 class Gateway:
@@ -435,22 +353,19 @@ def job_lost(exc: JobLost) -> ApiError:
 def redis_down(exc: RedisError) -> ApiError:
     """A Redis failure as the client should see it: refused credentials or a missing ACL
     permission are the operator's to fix (500, named), not an outage to retry (503)."""
-    message = str(exc)
-    if (
-        isinstance(exc, NoPermissionError | AuthenticationError)
-        or "can't run this command" in message
-    ):
+    fault = fault_of(exc)
+    if fault is not None and fault.refused:
         return ApiError(
             500,
-            f"the gateway's Redis user was refused: {message}"
+            f"the gateway's Redis user was refused: {exc}"
             " (see docs/operations.md, 'Least privilege')",
             type="server_error",
             code="redis_forbidden",
         )
-    if isinstance(exc, OutOfMemoryError) or message.startswith("OOM"):
+    if fault is RedisFault.OOM:
         return ApiError(
             503,
-            f"the fleet's Redis is out of memory: {message}",
+            f"the fleet's Redis is out of memory: {exc}",
             type="server_error",
             code="redis_out_of_memory",
         )

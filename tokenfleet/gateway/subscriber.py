@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import random
 import time
 import zlib
 from collections.abc import Callable
@@ -32,6 +31,8 @@ from typing import Any
 
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import RedisError
+
+from tokenfleet.backoff import Backoff
 
 
 class Resync:
@@ -48,7 +49,8 @@ log = logging.getLogger(__name__)
 PUBSUB_CLIENT_NAME = "tokenfleet-gateway-pubsub"  # as CLIENT LIST shows the shards
 SUBSCRIBE_BATCH = 1000  # channels per SUBSCRIBE / UNSUBSCRIBE command
 PING_S = 5.0  # a PING on each shard this often; a shard silent for 3 of these reconnects
-BACKOFF_S = (0.05, 2.0)  # reconnect delays: first, most
+RECONNECT_FIRST_S = 0.05  # a shard's first pause after losing Redis; it doubles per failure
+RECONNECT_MAX_S = 2.0  # ... up to this (jittered: shards and gateways don't return at once)
 
 
 class _Shard:
@@ -120,7 +122,7 @@ class _Shard:
 
     async def run(self) -> None:
         """Connect, subscribe every watched channel, read; on any failure, again."""
-        delay = BACKOFF_S[0]
+        backoff = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)  # never gives up
         while True:
             conn = self._connect()
             try:
@@ -134,7 +136,7 @@ class _Shard:
                         self.index,
                         len(self.sinks),
                     )
-                delay = BACKOFF_S[0]
+                backoff.succeeded()
                 self._unsubs.clear()
                 self._subs = set(self.sinks)
                 self._schedule()
@@ -147,8 +149,7 @@ class _Shard:
                 else:
                     with contextlib.suppress(Exception):
                         await conn.disconnect(nowait=True)
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
-            delay = min(delay * 2, BACKOFF_S[1])
+            await asyncio.sleep(backoff.failed(time.monotonic()))
 
     async def _read(self, conn: AbstractConnection) -> None:
         sinks = self.sinks

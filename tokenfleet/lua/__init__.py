@@ -4,7 +4,8 @@ files beside this module (each starts with its KEYS/ARGV header).
 owned_entry.lua is not a script: it holds the owner check and the helpers of the
 scripts that act on a jobs-stream entry a worker owns (accept, tick, dead_letter,
 redeliver, requeue), and is prepended to each of them here. Callers register the text they
-need (`client.register_script(TICK_LUA)`); nothing else reads tokenfleet/lua/.
+need (`client.register_script(TICK_LUA)`) and build its KEYS and ARGV with the script's
+call in `tokenfleet.lua.calls`; nothing else reads tokenfleet/lua/.
 """
 
 from __future__ import annotations

@@ -5,14 +5,24 @@
 -- the tail of its band instead (a new entry, recorded in its state): it waits without
 -- holding this worker's slot, and the jobs behind it are served meanwhile.
 --
--- Run with owned_entry.lua prepended.
+-- Run with owned_entry.lua prepended. KEYS and ARGV by name: tokenfleet/lua/calls.py
+-- AcceptCall (notation: lua/layout.py).
 --
--- per entry i = 1..n, seven keys from KEYS[1 + 7(i-1)]:
---   jobs stream the entry was read from, job state hash, cancel flag, the tenant's
---   queued set, the tenant's running set, the tenant's limits, the default limits
--- ARGV[1]  consumer group   ARGV[2]  this worker   ARGV[3]  '' (the entry ids follow)
--- ARGV[4]  now, unix seconds (started_at)
--- ARGV[3+2i], ARGV[4+2i]  entry i's id and job id
+-- KEYS[1..7n]  entries[]                 seven keys per entry i = 1..n:
+-- KEYS[7i-6]   entries[].stream          the jobs stream the entry was read from
+-- KEYS[7i-5]   entries[].hash            job state hash
+-- KEYS[7i-4]   entries[].cancel          cancel flag
+-- KEYS[7i-3]   entries[].queued          the tenant's queued set
+-- KEYS[7i-2]   entries[].running         the tenant's running set
+-- KEYS[7i-1]   entries[].limits          the tenant's limits
+-- KEYS[7i]     entries[].default_limits  the default limits
+-- ARGV[1]      group                     consumer group
+-- ARGV[2]      worker                    this worker
+-- ARGV[3]      no_entry                  '' (the entry ids follow)
+-- ARGV[4]      now                       unix seconds (started_at)
+-- ARGV[5..2n+4]  entries[]               two args per entry i:
+-- ARGV[2i+3]   entries[].entry_id        its entry id
+-- ARGV[2i+4]   entries[].job_id          its job id
 --
 -- Reply: per entry {verdict, cancelled (0/1), submitted_at, emitted, cache group}, the
 -- last three '' unless ok: emitted = token indices the job's replay stream holds (the

@@ -2,11 +2,16 @@
 -- The heartbeat check and the claim are one atomic step, so a live worker's entries are
 -- never taken, however long they have been idle.
 --
--- KEYS[1]    jobs stream
--- KEYS[1+i]  worker hash (keys.worker(name)) of candidate consumer i, i = 1..n
--- ARGV[1]    group          ARGV[2]  this worker (the new owner)
--- ARGV[3]    min idle, ms   ARGV[4]  most entries to claim in all
--- ARGV[4+i]  candidate consumer i's name
+-- KEYS and ARGV by name: tokenfleet/lua/calls.py ClaimOrphansCall (notation: lua/layout.py).
+-- KEYS[1]       stream             jobs stream
+-- KEYS[2..n+1]  candidates[]       one key per candidate consumer i = 1..n:
+-- KEYS[i+1]     candidates[].hash  its worker hash (keys.worker(name))
+-- ARGV[1]       group              consumer group
+-- ARGV[2]       worker             this worker (the new owner)
+-- ARGV[3]       min_idle_ms        min idle, ms
+-- ARGV[4]       most               most entries to claim in all
+-- ARGV[5..n+4]  candidates[]       one arg per candidate consumer i:
+-- ARGV[i+4]     candidates[].name  its consumer name
 --
 -- Reply: a list of {entry_id, delivery_count, fields}, fields a flat [f1, v1, ...] list.
 --   Claimed entries are now pending to ARGV[2] (XCLAIM: delivery count + 1).

@@ -1,9 +1,10 @@
 -- Take, renew or release a lease (the batch driver's), atomically.
 --
--- KEYS[1]  the lease key          (P batch:ID:lease)
--- ARGV[1]  owner                  (the driver's id)
--- ARGV[2]  lease, milliseconds
--- ARGV[3]  'take' (take or renew) or 'release'
+-- KEYS and ARGV by name: tokenfleet/lua/calls.py LeaseCall (notation: lua/layout.py).
+-- KEYS[1]  lease   the lease key (P batch:ID:lease)
+-- ARGV[1]  owner   the driver's id
+-- ARGV[2]  ms      lease, milliseconds
+-- ARGV[3]  action  'take' (take or renew) or 'release'
 --
 -- Replies: 1 while ARGV[1] holds the lease (take) or it was released (release);
 --          0 when someone else holds it.

@@ -3,9 +3,14 @@
 -- ones its Redis user may not run, so a missing permission stops the worker at once
 -- with the command named instead of failing mid-job.
 --
--- KEYS[1]  probe stream   KEYS[2]  probe hash   KEYS[3]  probe string
--- KEYS[4]  probe sorted set
--- ARGV[1]  consumer group  ARGV[2]  consumer   ARGV[3]  a channel under the prefix
+-- KEYS and ARGV by name: tokenfleet/lua/calls.py ProbeCall (notation: lua/layout.py).
+-- KEYS[1]  stream   probe stream
+-- KEYS[2]  hash     probe hash
+-- KEYS[3]  string   probe string
+-- KEYS[4]  zset     probe sorted set
+-- ARGV[1]  group    consumer group
+-- ARGV[2]  worker   consumer
+-- ARGV[3]  channel  a channel under the prefix
 --
 -- Reply: the names of the refused commands (empty when all may run). Errors other
 -- than a refused permission (an out-of-memory Redis refusing XADD) are not reported.

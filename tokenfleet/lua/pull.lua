@@ -3,16 +3,25 @@
 -- `guard` jobs were pulled from higher bands gets the next pull (the starvation guard).
 -- The guard's counts live in one hash per model, so the share holds fleet-wide.
 --
--- KEYS[1..n]  the model's jobs streams, highest band first (keys.bands(model))
--- KEYS[n+1]   the guard's counts (keys.pulls(model)): band name -> jobs pulled from
---             higher bands while it waited
--- ARGV[1]  consumer group   ARGV[2]  this worker   ARGV[3]  count   ARGV[4]  guard
--- ARGV[5..4+n]  the bands' names, in KEYS order
--- ARGV[5+n]  extra: how many more it may take from the highest band alone (a worker
---            with no room but lower-band jobs running, which these would preempt)
--- ARGV[6+n..5+2n]  floor, per band: '1' when this worker holds no job of the band and
---            takes one of it if one waits, room or not (its share of the worker's tokens
---            needs work there: worker/bands.py); '0' (or absent) otherwise
+-- KEYS and ARGV by name: tokenfleet/lua/calls.py PullCall (notation: lua/layout.py).
+-- KEYS[1..n]       bands[]         the model's n bands, highest first (keys.bands(model)):
+-- KEYS[i]          bands[].stream  band i's jobs stream
+-- KEYS[n+1]        pulls           the guard's counts (keys.pulls(model)): band name ->
+--                                  jobs pulled from higher bands while it waited
+-- ARGV[1]          group           consumer group
+-- ARGV[2]          worker          this worker
+-- ARGV[3]          count           how many it may take
+-- ARGV[4]          guard           the starvation guard
+-- ARGV[5..n+4]     bands[]         the bands' names, in KEYS order:
+-- ARGV[i+4]        bands[].name    band i's name
+-- ARGV[n+5]        extra           how many more it may take from the highest band alone
+--                                  (a worker with no room but lower-band jobs running,
+--                                  which these would preempt)
+-- ARGV[n+6..2n+5]  bands[]         floor, per band:
+-- ARGV[n+i+5]      bands[].floor   '1' when this worker holds no job of band i and takes
+--                                  one of it if one waits, room or not (its share of the
+--                                  worker's tokens needs work there: worker/bands.py);
+--                                  '0' (or absent) otherwise
 --
 -- Reply: a list of {band index (0 = highest), entry id, fields}, fields a flat
 -- [f1, v1, ...] list, in the order pulled. Errors with NOGROUP when a band's stream
@@ -84,10 +93,8 @@ local function take(b, want)
   local reply = redis.call('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', want,
                            'STREAMS', KEYS[b], '>')
   local entries = {}
-  if reply and type(reply[1]) == 'table' then
-    entries = reply[1][2]  -- Redis: {{stream, entries}}
-  elseif reply and reply[1] then
-    entries = reply[2]  -- fakeredis (the demo without redis-server): {stream, entries}
+  if reply then
+    entries = reply[1][2]  -- {{stream, entries}}, or nil when nothing came
   end
   if #entries < want then
     open[b] = false

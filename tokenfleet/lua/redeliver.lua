@@ -1,8 +1,12 @@
 -- Count one more delivery of an entry this worker keeps, for an in-process retry.
--- Run with owned_entry.lua prepended (it documents KEYS[1] and ARGV[1..4]).
+-- Run with owned_entry.lua prepended. KEYS and ARGV by name: tokenfleet/lua/calls.py
+-- RedeliverCall (notation: lua/layout.py).
 --
--- KEYS[1]  jobs stream
--- ARGV[1]  group  ARGV[2]  this worker  ARGV[3]  entry id  ARGV[4]  now (unused)
+-- KEYS[1]  stream    jobs stream
+-- ARGV[1]  group     consumer group
+-- ARGV[2]  worker    this worker
+-- ARGV[3]  entry_id  entry id
+-- ARGV[4]  now       unix seconds (unused)
 --
 -- Reply: the entry's new delivery count (XCLAIM to itself: count + 1, idle reset), or
 -- nil when it is not pending to this worker (claimed by another, finished), or when its

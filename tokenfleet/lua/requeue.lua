@@ -6,12 +6,18 @@
 -- entry are refused (the fence). The job counts as queued again for its tenant. Tokens
 -- it already emitted stay in its replay stream; whoever starts it resumes after them
 -- (accept.lua hands back `emitted`).
--- Run with owned_entry.lua prepended (it documents KEYS[1] and ARGV[1..4]).
+-- Run with owned_entry.lua prepended. KEYS and ARGV by name: tokenfleet/lua/calls.py
+-- RequeueCall (notation: lua/layout.py).
 --
--- KEYS[1]  jobs stream   KEYS[2]  job state hash
--- KEYS[3]  the tenant's queued set   KEYS[4]  the tenant's running set
--- ARGV[1]  group  ARGV[2]  this worker  ARGV[3]  entry id  ARGV[4]  now (unused)
--- ARGV[5]  job id
+-- KEYS[1]  stream    jobs stream
+-- KEYS[2]  hash      job state hash
+-- KEYS[3]  queued    the tenant's queued set
+-- KEYS[4]  running   the tenant's running set
+-- ARGV[1]  group     consumer group
+-- ARGV[2]  worker    this worker
+-- ARGV[3]  entry_id  entry id
+-- ARGV[4]  now       unix seconds (the queued score when the job's submit time is unknown)
+-- ARGV[5]  job_id    job id
 --
 -- Reply: the new entry's id, or false with nothing written when the entry is not this
 -- worker's (any more), is not the job's recorded one, the job has finished, or the

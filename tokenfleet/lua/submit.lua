@@ -1,22 +1,23 @@
 -- Accept one job into its band's capped jobs stream, atomically with its tenant's limit.
 --
--- KEYS[1]  jobs stream of the job's band   (keys.jobs(model, band))
--- KEYS[2]  the model's cap                 (keys.queue_cap(model)); absent = ARGV[3].
---          Each band holds up to cap jobs.
--- KEYS[3]  the job's state hash            (keys.job(job_id))
--- KEYS[4]  set of model names              (keys.models())
--- KEYS[5]  the tenant's queued jobs        (keys.tenant_queued(tenant, model))
--- KEYS[6]  the tenant's limits             (keys.tenant_limits(tenant))
--- KEYS[7]  every tenant's default limits   (keys.tenant_limits(None))
--- KEYS[8]  set of tenant names             (keys.tenants())
--- ARGV[1]  job id
--- ARGV[2]  payload (msgpack map, or JSON object text)
--- ARGV[3]  default cap, used when KEYS[2] is absent
--- ARGV[4]  now, unix seconds (the submit time recorded for queue-wait timings)
--- ARGV[5]  TTL of the state hash, seconds
--- ARGV[6]  model name (for KEYS[4])
--- ARGV[7]  tenant name
--- ARGV[8]  band name (recorded in the job hash)
+-- KEYS and ARGV by name: tokenfleet/lua/calls.py SubmitCall (notation: lua/layout.py).
+-- KEYS[1]  stream          jobs stream of the job's band     P jobs:MODEL[@BAND]
+-- KEYS[2]  cap             the model's cap (absent: ARGV[3])  P jobs:MODEL:cap
+--                          Each band holds up to cap jobs.
+-- KEYS[3]  hash            the job's state hash              P job:ID
+-- KEYS[4]  models          set of model names                P models
+-- KEYS[5]  queued          the tenant's queued jobs          P tenant:TENANT:queued:MODEL
+-- KEYS[6]  limits          the tenant's limits               P tenant:TENANT:limits
+-- KEYS[7]  default_limits  every tenant's default limits     P tenant:*:limits
+-- KEYS[8]  tenants         set of tenant names               P tenants
+-- ARGV[1]  job_id          job id
+-- ARGV[2]  payload         msgpack map, or JSON object text
+-- ARGV[3]  default_cap     used when KEYS[2] is absent (DEFAULT_QUEUE_CAP, 1000)
+-- ARGV[4]  now             unix seconds (the submit time recorded for queue-wait timings)
+-- ARGV[5]  hash_ttl        TTL of the state hash, seconds (JOB_STATE_TTL_S, 604800)
+-- ARGV[6]  model           MODEL (for KEYS[4])
+-- ARGV[7]  tenant          TENANT
+-- ARGV[8]  band            BAND (recorded in the job hash)
 --
 -- Replies:
 --   {"dup", entry_id, status}       the id was accepted before: nothing added (idempotent)

@@ -3,19 +3,41 @@
 -- announce them live, and end the job when it finished. A worker that lost a job (its
 -- entry was claimed by another worker or finished, or the job's state records another
 -- entry) writes nothing for it: the fence is in the same script as the writes.
--- Run with owned_entry.lua prepended.
+-- Run with owned_entry.lua prepended. KEYS and ARGV by name: tokenfleet/lua/calls.py
+-- TickCall (notation: lua/layout.py); the terminal writes take a job's JobTarget, Finish
+-- and the tick's Retention, the same shape as dead_letter.lua's terminal block.
 --
--- per job j = 1..n, seven keys from KEYS[1 + 7(j-1)]:
---   its jobs stream (the band it was read from), job state hash, replay stream, result
---   string, cancel flag, the tenant's queued set, the tenant's running set
--- ARGV[1]  group   ARGV[2]  this worker   ARGV[3]  '' (the entry ids are per job)
--- ARGV[4]  now (unix s)   ARGV[5]  EVENTS_MAXLEN   ARGV[6]  EVENTS_TTL_S
--- ARGV[7]  RESULT_TTL_S   ARGV[8]  JOB_STATE_TTL_S   ARGV[9]  n (jobs)
--- then per job, in order:
---   entry id, job id, live channel, k (token events), '1' when the job ends this tick
---   else '0',
---   k x (index, msgpack TokenEvent),
---   when it ends: finish reason, msgpack JobResult, msgpack FinishEvent
+-- KEYS[1..7n]  held[]                  seven keys per held job i = 1..n:
+-- KEYS[7i-6]   held[].stream           its jobs stream (the band it was read from)
+-- KEYS[7i-5]   held[].job.hash         job state hash
+-- KEYS[7i-4]   held[].job.events       replay stream
+-- KEYS[7i-3]   held[].job.result       result string
+-- KEYS[7i-2]   held[].cancel           cancel flag
+-- KEYS[7i-1]   held[].job.queued       the tenant's queued set
+-- KEYS[7i]     held[].job.running      the tenant's running set
+-- ARGV[1]      group                   consumer group
+-- ARGV[2]      worker                  this worker
+-- ARGV[3]      no_entry                '' (the entry ids are per job)
+-- ARGV[4]      now                     unix seconds
+-- ARGV[5]      retention.maxlen        EVENTS_MAXLEN
+-- ARGV[6]      retention.events_ttl    EVENTS_TTL_S
+-- ARGV[7]      retention.result_ttl    RESULT_TTL_S
+-- ARGV[8]      retention.hash_ttl      JOB_STATE_TTL_S
+-- ARGV[9]      n                       jobs
+-- ARGV[10..]   held[]                  per job, in order, from its first arg a (10 for
+--                                      the first job; the next job's follows its last):
+-- ARGV[a]      held[].entry_id         entry id
+-- ARGV[a+1]    held[].job.job_id       job id
+-- ARGV[a+2]    held[].job.channel      live channel
+-- ARGV[a+3]    held[].count            k, its token events
+-- ARGV[a+4]    held[].ends             '1' when the job ends this tick, else '0'
+-- ARGV[a+5..a+2k+4]  held[].tokens[]   token event e = 1..k:
+-- ARGV[a+2e+3] held[].tokens[].index   its index
+-- ARGV[a+2e+4] held[].tokens[].data    msgpack TokenEvent
+-- ARGV[a+2k+5..a+2k+7]  held[].end?    only when it ends:
+-- ARGV[a+2k+5] held[].end?.reason      finish reason
+-- ARGV[a+2k+6] held[].end?.result_data msgpack JobResult
+-- ARGV[a+2k+7] held[].end?.finish_data msgpack FinishEvent
 --
 -- Reply: per job {verdict, next}, next = indices now in its replay stream (the job
 -- hash's `emitted` field):
@@ -72,7 +94,7 @@ for j = 1, n do
       local t = first + 2 * count
       terminal_writes({
         result = result, hash = hash, events = events, channel = channel,
-        queued = queued, running = running, job = job,
+        queued = queued, running = running, job_id = job,
         reason = ARGV[t], result_data = ARGV[t + 1], finish_data = ARGV[t + 2],
         result_ttl = ARGV[7], hash_ttl = ARGV[8], maxlen = ARGV[5], events_ttl = ARGV[6],
       })

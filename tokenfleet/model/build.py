@@ -11,7 +11,7 @@ from torch import Tensor
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.worker.runner import SamplingDefaults
+from tokenfleet.seam import SamplingDefaults
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from tokenfleet.model.batch import SeqInput
 from tokenfleet.model.layers import (
     AttnWeights,
     LayerShape,
@@ -40,6 +39,7 @@ from tokenfleet.model.layers import (
     head,
 )
 from tokenfleet.model.quant import PackedWeight, weight_of
+from tokenfleet.model.tick_inputs import SeqInput
 
 # Each model compiled in this process adds its own specialisations (its shape, weight
 # layout and a one-token graph) to the four shared functions; allow a few dozen.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.model.errors import ModelConfigError
+from tokenfleet.errors import ModelConfigError
 
 # model_type -> the architecture class transformers saves it as
 FAMILIES = {
@@ -114,10 +114,6 @@ class ModelConfig:
     @property
     def has_qkv_bias(self) -> bool:
         return self.attention_bias or self.qkv_bias
-
-    @property
-    def heads_per_kv_head(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""

@@ -27,9 +27,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from tokenfleet.errors import ModelConfigError, ModelLoadError
 from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
-from tokenfleet.model.errors import ModelConfigError, ModelLoadError
 from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
 from tokenfleet.model.quant import PackedWeight, Q4Fields

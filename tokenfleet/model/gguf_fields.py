@@ -7,7 +7,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.errors import ModelLoadError
 
 
 def field_value(reader: GGUFReader, name: str, default: Any = None) -> Any:

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as _RustTokenizer
 from tokenizers.models import BPE
 
-from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.errors import ModelLoadError
 from tokenfleet.model.gguf_fields import field_value
 from tokenfleet.model.tokenizer import HFTokenizer
 

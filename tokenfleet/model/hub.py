@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.errors import ModelLoadError
 
 # What a checkpoint folder needs; nothing else of a repo is fetched.
 CHECKPOINT_FILES = [

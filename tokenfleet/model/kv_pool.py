@@ -9,8 +9,6 @@ is flat slot `bt[p // block_size] * block_size + p % block_size`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
@@ -61,13 +59,3 @@ class KVPool:
         """
         flat = (self.num_slots, self.num_kv_heads, self.head_dim)
         return self.k[layer].view(flat), self.v[layer].view(flat)
-
-    def slots_for(self, block_table: Sequence[int], start: int, stop: int) -> list[int]:
-        """Flat slots of positions [start, stop) of a session with `block_table`."""
-        bs = self.block_size
-        if stop > len(block_table) * bs:
-            raise ValueError(
-                f"block table of {len(block_table)} blocks holds {len(block_table) * bs} "
-                f"positions, need {stop}"
-            )
-        return [block_table[p // bs] * bs + p % bs for p in range(start, stop)]

@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from tokenfleet.model.attention import Attention, AttentionBackend, SdpaBackend
 from tokenfleet.model.attention.layer import ForwardContext
-from tokenfleet.model.batch import SeqInput, TickBuffers
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.layers import (
@@ -37,6 +36,7 @@ from tokenfleet.model.quant import (
     weight_of,
 )
 from tokenfleet.model.rope import inverse_frequencies, rope_cos_sin
+from tokenfleet.model.tick_inputs import SeqInput, TickBuffers
 
 if TYPE_CHECKING:
     from tokenfleet.model.compiled import CompiledSteps
@@ -201,5 +201,5 @@ class LlamaModel(nn.Module):
         # The LM head is the most sensitive matrix: with int4 it is kept int8 (as
         # llama.cpp's 4-bit files keep it at Q6_K / Q8_0), unless a file's own 4-bit
         # blocks are given for it (SmolLM2 int4 perplexity: 23.2 with an int4 head,
-        # measured in docs/benchmarks.md).
+        # measured in docs/benchmarks-history.md).
         self.lm_head = packed("lm_head", self.lm_head, "int8")

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from tokenfleet.errors import ModelLoadError
 from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
-from tokenfleet.model.errors import ModelLoadError
 from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
 from tokenfleet.model.presets import PRESETS
 from tokenfleet.model.quant import QUANT_KINDS, QuantError, resident_bytes
@@ -28,7 +28,7 @@ from tokenfleet.model.smollm2 import PRESET as SMOLLM2_PRESET
 from tokenfleet.model.smollm2 import require_smollm2_gguf
 from tokenfleet.model.tokenizer import HFTokenizer, Tokenizer
 from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_state
-from tokenfleet.worker.runner import SamplingDefaults
+from tokenfleet.seam import SamplingDefaults
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -152,7 +152,7 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 
 def auto_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 where it is computed natively (measured faster than float32 at every
-    batch size on an AVX512-BF16 CPU: docs/benchmarks.md), else float32."""
+    batch size on an AVX512-BF16 CPU: docs/benchmarks-history.md), else float32."""
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_bf16() else torch.float32

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tokenfleet.worker.runner import ResolvedSampling
+from tokenfleet.seam import ResolvedSampling
 
 
 @dataclass

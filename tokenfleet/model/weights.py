@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from tokenfleet.errors import ModelLoadError
 from tokenfleet.model.config import ModelConfig
-from tokenfleet.model.errors import ModelLoadError
 
 # Non-weight tensors older checkpoints carry; recomputed by the model.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -71,7 +71,7 @@ class _AsyncRun:
                 if message is None:
                     await asyncio.sleep(0)  # let other tasks run between polls
                 return message
-            case ops.Backoff(seconds=seconds):
+            case ops.Disconnect(seconds=seconds):
                 await self.close()
                 return await asyncio.sleep(seconds)
         raise AssertionError(f"{op!r} is not an op this transport carries out")

@@ -66,7 +66,7 @@ class _Run:
                 return self.pubsub.subscribe(channel)
             case ops.Listen(timeout=timeout):
                 return self.pubsub.get_message(timeout=timeout)
-            case ops.Backoff(seconds=seconds):
+            case ops.Disconnect(seconds=seconds):
                 self.close()
                 return time.sleep(seconds)
         raise AssertionError(f"{op!r} is not an op this transport carries out")

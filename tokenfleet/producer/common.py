@@ -5,7 +5,6 @@ calls themselves are plans in `producer.core`."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,8 @@ from tokenfleet.errors import (
     QueueFull,
     TenantQueueFull,
 )
-from tokenfleet.keys import DEFAULT_MODEL, JOB_STATE_TTL_S, Keys
+from tokenfleet.keys import DEFAULT_MODEL, Keys
+from tokenfleet.lua.calls import SubmitCall, timestamp
 from tokenfleet.protocol import (
     MAX_PAYLOAD_BYTES,
     FinishEvent,
@@ -59,30 +59,25 @@ def encode_request(request: GenerationRequest) -> bytes:
 
 def submit_call(
     keys: Keys, request: GenerationRequest, payload: bytes, default_cap: int
-) -> tuple[list[str], list[str | bytes | int | float]]:
-    """KEYS and ARGV for submit.lua (documented in the script itself)."""
-    model = request.model or DEFAULT_MODEL
-    script_keys = [
-        keys.jobs(request.model, request.priority),
-        keys.queue_cap(request.model),
-        keys.job(request.job_id),
-        keys.models(),
-        keys.tenant_queued(request.tenant, request.model),
-        keys.tenant_limits(request.tenant),
-        keys.tenant_limits(None),
-        keys.tenants(),
-    ]
-    args: list[str | bytes | int | float] = [
-        request.job_id,
-        payload,
-        default_cap,
-        f"{time.time():.6f}",
-        JOB_STATE_TTL_S,
-        model,
-        request.tenant,
-        request.priority,
-    ]
-    return script_keys, args
+) -> SubmitCall:
+    """The submit.lua call that accepts `request` (its slots: the script's header)."""
+    return SubmitCall(
+        stream=keys.jobs(request.model, request.priority),
+        cap=keys.queue_cap(request.model),
+        hash=keys.job(request.job_id),
+        models=keys.models(),
+        queued=keys.tenant_queued(request.tenant, request.model),
+        limits=keys.tenant_limits(request.tenant),
+        default_limits=keys.tenant_limits(None),
+        tenants=keys.tenants(),
+        job_id=request.job_id,
+        payload=payload,
+        default_cap=default_cap,
+        now=timestamp(),
+        model=request.model or DEFAULT_MODEL,
+        tenant=request.tenant,
+        band=request.priority,
+    )
 
 
 @dataclass(frozen=True)
@@ -97,16 +92,13 @@ class SubmitReply:
 def parse_submit_reply(keys: Keys, request: GenerationRequest, reply: list[Any]) -> SubmitReply:
     """Turn the script's reply into a `SubmitReply`, or raise `QueueFull` (the band is
     full) or `TenantQueueFull` (the job's tenant is at its queued limit)."""
-    kind = _text(reply[0])
+    answer = SubmitCall.parse(reply)
     stream = keys.jobs(request.model, request.priority)
-    if kind == "full":
-        raise QueueFull(depth=int(reply[1]), cap=int(reply[2]), stream=stream)
-    if kind == "tenant_full":
-        raise TenantQueueFull(request.tenant, int(reply[1]), int(reply[2]), stream)
-    if kind == "dup":
-        return SubmitReply(request.job_id, _text(reply[1]), duplicate=True)
-    assert kind == "ok", f"unexpected submit reply {reply!r}"
-    return SubmitReply(request.job_id, _text(reply[1]), duplicate=False)
+    if answer.verdict == "full":
+        raise QueueFull(depth=answer.held, cap=answer.limit, stream=stream)
+    if answer.verdict == "tenant_full":
+        raise TenantQueueFull(request.tenant, answer.held, answer.limit, stream)
+    return SubmitReply(request.job_id, answer.entry_id, duplicate=answer.verdict == "dup")
 
 
 CAPACITY_TTL_S = 1.0  # how long a producer trusts what it read of the fleet's capacity

@@ -64,7 +64,8 @@ class ProducerCore(Generic[C]):
         return view.capacity(model)
 
     def _submit_op(self, request: GenerationRequest) -> Submit:
-        return Submit(*submit_call(self.keys, request, encode_request(request), self.default_cap))
+        call = submit_call(self.keys, request, encode_request(request), self.default_cap)
+        return Submit(call.keys(), call.args())
 
     def _submit_plan(
         self,

@@ -1,41 +1,57 @@
 """Following a job across Redis restarts: the rules (`JobFollower` for `stream()`,
-`ResultWait` for `result()`, `Reconnect` for the backoff) and the two loops that apply
-them (`follow_stream`, `wait_result`), written once as plans (see `producer.ops`) that
-the sync and async handles carry out. See docs/protocol.md, "Following a job".
+`ResultWait` for `result()`, `reconnect_pause` for the backoff) and the two loops that
+apply them (`follow_stream`, `wait_result`), written once as plans (see `producer.ops`)
+that the sync and async handles carry out. See docs/protocol.md, "Following a job".
 """
 
 from __future__ import annotations
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from redis.exceptions import AuthenticationError, AuthorizationError
 
+from tokenfleet.backoff import Backoff
 from tokenfleet.errors import JobLost, JobNotFound, JobTimeout
 from tokenfleet.keys import Keys
 from tokenfleet.producer.common import EventAssembler, raise_for_finish
-from tokenfleet.producer.ops import Backoff, Batch, Command, Emit, Listen, Plan, Subscribe
+from tokenfleet.producer.ops import Batch, Command, Disconnect, Emit, Listen, Plan, Subscribe
 from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_result
+from tokenfleet.redis_errors import RedisFault, fault_of
 
 STREAM_IDLE_TIMEOUT_S = 300.0  # stream()'s default: the silence allowed between two events
-REPLAY_POLL_S = 0.5  # with no pub/sub traffic, re-read the replay stream this often
+# A handle follows one job on a subscription of its own, so polling is cheap, and pub/sub
+# may drop a message with nothing after it to show the gap (the finish): with no live
+# message for this long, stream() re-reads the replay stream and result() looks again.
+# (The gateway's streams share a few subscriptions: gateway/jobs.py polls far less.)
+OWN_SUBSCRIPTION_POLL_S = 0.5
 STATE_CHECK_S = 1.0  # while streaming, check the job's state still exists at least this often
 RECONNECT_FIRST_S = 0.05  # the first pause after a lost connection; it doubles per failure
 RECONNECT_MAX_S = 1.0  # ... up to this
 
-# What a lost connection raises. redis-py makes a refused password or ACL a
-# ConnectionError too; those stay wrong however often we retry, so they raise at once.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.TimeoutError)
-PERMANENT_ERRORS: tuple[type[Exception], ...] = (AuthenticationError, AuthorizationError)
+
+def reconnect_backoff(*, limit_s: float | None = None, deadline: float | None = None) -> Backoff:
+    """A follower's backoff: RECONNECT_FIRST_S doubling to RECONNECT_MAX_S, jittered; one
+    outage may last `limit_s`, or until the monotonic `deadline` (None: no bound)."""
+    return Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S, limit_s=limit_s, deadline=deadline)
 
 
-def is_transient(exc: BaseException) -> bool:
-    """A Redis error worth reconnecting for (a restart, a dropped socket, a timeout)."""
-    return isinstance(exc, TRANSIENT_ERRORS) and not isinstance(exc, PERMANENT_ERRORS)
+def reconnect_pause(backoff: Backoff, exc: Exception, job_id: str, now: float) -> float:
+    """The pause before reconnecting after `exc`. Re-raises `exc` unless it is a lost
+    connection (a restart, a dropped socket, a timeout: `RedisFault.CONNECTION`; refused
+    credentials stay wrong however often we retry), or once the outage is over its bound."""
+    if fault_of(exc) is not RedisFault.CONNECTION:
+        raise exc
+    pause = backoff.failed(now)
+    if backoff.over(now):
+        exc.add_note(
+            f"tokenfleet: gave up following job {job_id} after "
+            f"{backoff.lasted(now):.1f}s without Redis"
+        )
+        raise exc
+    return pause
 
 
 def missing_job_error(job_id: str, known: bool) -> JobLost | JobNotFound:
@@ -50,45 +66,6 @@ def missing_job_error(job_id: str, known: bool) -> JobLost | JobNotFound:
     return JobNotFound(job_id)
 
 
-@dataclass
-class Reconnect:
-    """Capped exponential backoff over one outage, and when to give it up.
-
-    Pauses start at RECONNECT_FIRST_S and double up to RECONNECT_MAX_S, each cut by a
-    random part of up to half (clients cut off together don't all return in the same
-    millisecond). An outage ends at the first round trip that succeeds (`succeeded`).
-    It is given up, re-raising the last error, once it has lasted `limit_s` seconds or
-    the monotonic `deadline` has passed; None is no bound."""
-
-    limit_s: float | None = None
-    deadline: float | None = None
-    since: float | None = None  # when the current outage began (monotonic); None: connected
-    delay: float = RECONNECT_FIRST_S
-
-    def failed(self, exc: Exception, job_id: str, now: float) -> float:
-        """The pause before the next attempt; re-raises `exc` when it must not be retried."""
-        if not is_transient(exc):
-            raise exc
-        if self.since is None:
-            self.since = now
-        give_up = math.inf if self.deadline is None else self.deadline
-        if self.limit_s is not None:
-            give_up = min(give_up, self.since + self.limit_s)
-        if now >= give_up:
-            exc.add_note(
-                f"tokenfleet: gave up following job {job_id} after "
-                f"{now - self.since:.1f}s without Redis"
-            )
-            raise exc
-        pause = self.delay * (1 - random.random() / 2)
-        self.delay = min(self.delay * 2, RECONNECT_MAX_S)
-        return min(pause, give_up - now)
-
-    def succeeded(self) -> None:
-        self.since = None
-        self.delay = RECONNECT_FIRST_S
-
-
 NOT_FOUND_GRACE_S = 10.0  # how long stream() waits for an unknown job id to appear
 
 
@@ -98,11 +75,11 @@ class JobFollower:
 
     On every (re)connect the loop (`follow_stream`) subscribes to the live channel, then
     makes one sync round trip (`sync`, `absorb` its replies) with a replay and a state
-    check, then calls `connected`. After that: hand out `ready()`; when
-    nothing is ready, `raise_if_over()`, wait up to REPLAY_POLL_S for a live message,
+    check, then calls `connected`. After that: hand out `ready()`; when nothing is
+    ready, `raise_if_over()`, wait up to OWN_SUBSCRIPTION_POLL_S for a live message,
     hand it to `after_wait` and sync again when it says to (a replay when no message
     came or one was missed, a state check when one is due).
-    On a transient error: drop the subscription, sleep `disconnected()` seconds, and
+    On a lost connection: drop the subscription, sleep `disconnected()` seconds, and
     start over at subscribe; the assembler keeps the last replay entry read and the
     next index, so the caller sees every token once.
 
@@ -115,14 +92,14 @@ class JobFollower:
     timeout: float | None
     known: bool = False  # the job was seen to exist: a missing state then means JobLost
     asm: EventAssembler = field(default_factory=EventAssembler)
-    reconnect: Reconnect = field(init=False)  # one outage may last `timeout`
+    reconnect: Backoff = field(init=False)  # one outage may last `timeout`
     last_event: float = field(default_factory=time.monotonic)
     last_check: float = -math.inf
     state_missing: bool = False  # the last check found neither job hash nor result
     started: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.reconnect = Reconnect(limit_s=self.timeout)
+        self.reconnect = reconnect_backoff(limit_s=self.timeout)
 
     def check_due(self, now: float) -> bool:
         return now - self.last_check >= STATE_CHECK_S
@@ -156,8 +133,8 @@ class JobFollower:
         self.state_missing = False
 
     def after_wait(self, message: dict[str, Any] | None, now: float) -> tuple[bool, bool]:
-        """Take what one wait on the live channel brought (None: REPLAY_POLL_S passed in
-        silence) and say what the next sync does, (replay, check): replay when nothing
+        """Take what one wait on the live channel brought (None: OWN_SUBSCRIPTION_POLL_S
+        passed in silence) and say what the next sync does, (replay, check): replay when nothing
         live came or a gap shows something was missed, check when one is due."""
         if message is not None and message["type"] == "message":
             self.feed_live(message["data"])
@@ -190,7 +167,7 @@ class JobFollower:
 
     def disconnected(self, exc: Exception, now: float) -> float:
         """Seconds to pause before reconnecting; raises `exc` when giving up."""
-        return self.reconnect.failed(exc, self.job_id, now)
+        return reconnect_pause(self.reconnect, exc, self.job_id, now)
 
 
 @dataclass
@@ -199,7 +176,7 @@ class ResultWait:
 
     Each look is one round trip: GET the result, EXISTS the job hash (`look`, `absorb`).
     Between looks the loop (`wait_result`) waits `pause()` seconds for any message on
-    the live channel (only a cue to look again). On a transient error: drop the
+    the live channel (only a cue to look again). On a lost connection: drop the
     subscription, sleep `disconnected()` seconds, subscribe again. `timeout` bounds the
     whole wait (JobTimeout), outages included: one still going when it passes raises
     its error.
@@ -208,11 +185,11 @@ class ResultWait:
     job_id: str
     timeout: float | None
     known: bool = False
-    reconnect: Reconnect = field(init=False)  # its deadline is the whole wait's
+    reconnect: Backoff = field(init=False)  # its deadline is the whole wait's
 
     def __post_init__(self) -> None:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        self.reconnect = Reconnect(deadline=deadline)
+        self.reconnect = reconnect_backoff(deadline=deadline)
 
     def look(self, keys: Keys) -> Batch:
         """One look's round trip: GET the result, EXISTS the job hash (`absorb`'s replies)."""
@@ -235,14 +212,14 @@ class ResultWait:
         """How long to wait for a cue before looking again; JobTimeout once past the deadline."""
         deadline = self.reconnect.deadline
         if deadline is None:
-            return REPLAY_POLL_S
+            return OWN_SUBSCRIPTION_POLL_S
         if now >= deadline:
             raise JobTimeout(self.job_id, self.timeout or 0.0)
-        return min(REPLAY_POLL_S, deadline - now)
+        return min(OWN_SUBSCRIPTION_POLL_S, deadline - now)
 
     def disconnected(self, exc: Exception, now: float) -> float:
         """Seconds to pause before reconnecting; raises `exc` when giving up."""
-        return self.reconnect.failed(exc, self.job_id, now)
+        return reconnect_pause(self.reconnect, exc, self.job_id, now)
 
 
 def follow_stream(follow: JobFollower, keys: Keys) -> Plan[FinishEvent]:
@@ -260,15 +237,15 @@ def follow_stream(follow: JobFollower, keys: Keys) -> Plan[FinishEvent]:
             events = follow.ready(time.monotonic())
             if not events:
                 follow.raise_if_over(time.monotonic())
-                message = yield Listen(REPLAY_POLL_S)
+                message = yield Listen(OWN_SUBSCRIPTION_POLL_S)
                 replay, check = follow.after_wait(message, time.monotonic())
                 if replay or check:
                     replies = yield follow.sync(keys, replay=replay, check=check)
                     follow.absorb(replies, replay=replay, check=check, now=time.monotonic())
                 continue
-        except TRANSIENT_ERRORS as exc:
+        except redis.RedisError as exc:  # what is not a lost connection is raised
             subscribed = False
-            yield Backoff(follow.disconnected(exc, time.monotonic()))
+            yield Disconnect(follow.disconnected(exc, time.monotonic()))
             continue
         for event in events:
             if isinstance(event, FinishEvent):
@@ -289,6 +266,6 @@ def wait_result(wait: ResultWait, keys: Keys) -> Plan[JobResult]:
                 return result
             # Any event on the channel is a cue to look again; silence re-checks anyway.
             yield Listen(wait.pause(time.monotonic()))
-        except TRANSIENT_ERRORS as exc:
+        except redis.RedisError as exc:  # what is not a lost connection is raised
             subscribed = False
-            yield Backoff(wait.disconnected(exc, time.monotonic()))
+            yield Disconnect(wait.disconnected(exc, time.monotonic()))

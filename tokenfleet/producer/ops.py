@@ -7,7 +7,7 @@ So the sync and async clients run the same code for every decision (what to send
 how to read the reply, when to reconnect) and differ only in how they wait.
 
 An op that fails is thrown into the plan at its `yield`: the plan decides whether
-that is worth a retry (see `follow.Reconnect`) or propagates it to the caller.
+that is worth a retry (see `follow.reconnect_pause`) or propagates it to the caller.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
 from tokenfleet.keys import Keys
+from tokenfleet.lua.calls import ScriptArg
 from tokenfleet.protocol import TokenEvent
 
 T = TypeVar("T")
-
-ScriptArg: TypeAlias = str | bytes | int | float
 
 
 class Command:
@@ -39,7 +38,8 @@ class Command:
 
 @dataclass(frozen=True)
 class Submit:
-    """submit.lua (registered once per producer) with these KEYS and ARGV; its reply."""
+    """submit.lua (registered once per producer) with these KEYS and ARGV (a
+    `calls.SubmitCall`'s); its reply."""
 
     keys: list[str]
     args: list[ScriptArg]
@@ -76,9 +76,9 @@ class Listen:
 
 
 @dataclass(frozen=True)
-class Backoff:
+class Disconnect:
     """The connection was lost: close the plan's subscription (quietly, its connection
-    may be broken), then pause `seconds` before the plan tries again."""
+    may be broken), then pause `seconds` (the plan's backoff) before it tries again."""
 
     seconds: float
 
@@ -90,7 +90,7 @@ class Emit:
     event: TokenEvent
 
 
-Op: TypeAlias = Command | Submit | Batch | ReadFleet | Subscribe | Listen | Backoff | Emit
+Op: TypeAlias = Command | Submit | Batch | ReadFleet | Subscribe | Listen | Disconnect | Emit
 Plan: TypeAlias = Generator[Op, Any, T]
 
 

@@ -59,8 +59,8 @@ class FairnessConfig:
 
 
 def band_of(session: Session) -> int:
-    """The session's priority band's place in keys.BANDS: 0 (interactive) ranks first."""
-    return BANDS.index(session.request.priority)
+    """The rank of the session's band (keys.BANDS): 0 (interactive) ranks first."""
+    return session.band
 
 
 class BandShares:

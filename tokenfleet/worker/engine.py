@@ -24,24 +24,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
-from tokenfleet.keys import BANDS
+from tokenfleet.grammar import Grammars, MaskJobs
+from tokenfleet.keys import BANDS, Band
 from tokenfleet.kv.prefix import cache_scope, chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
+from tokenfleet.seam import DecodeStep, ModelRunner, SeqState, SeqStatus, TickPlan
 from tokenfleet.worker.bands import BandPolicy, FairnessConfig, band_of
-from tokenfleet.worker.grammar import Grammars, MaskJobs
-from tokenfleet.worker.runner import ModelRunner
-from tokenfleet.worker.scheduler import (
-    DecodeStep,
-    Scheduler,
-    SchedulerConfig,
-    SeqStatus,
-    Sequence,
-    TickPlan,
-)
-from tokenfleet.worker.session import Finished, Session, terminal
+from tokenfleet.worker.scheduler import Scheduler, SchedulerConfig
+from tokenfleet.worker.session import Finished, Outbox, Session, terminal
 from tokenfleet.worker.telemetry import EngineStats
 from tokenfleet.worker.threads import ThreadGovernor
 
@@ -120,15 +113,17 @@ class Engine:
         self.admission = Admission(self.budget)
         self.blocks = self.budget.new_block_manager(prefix_cache=self.config.prefix_cache)
         self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
+        self.bands = BandPolicy(self.config.fairness)  # the one order of waiting jobs
         self.scheduler = Scheduler(
             SchedulerConfig(self.budget.max_batch_size, self.budget.max_prefill_tokens_per_tick),
             self.blocks,
+            rank=lambda job_id: self.bands.rank(self.sessions[job_id]),  # prefill order
         )
         self.stats = EngineStats(self.budget.max_batch_size)
         self.sessions: dict[str, Session] = {}  # admitted: in the scheduler
         self.waiting: list[Session] = []  # queued locally until they fit (arrival order)
-        self.bands = BandPolicy(self.config.fairness)  # which waiting job starts next
         self._ended: list[Finished] = []  # outcomes decided between ticks
+        self._outboxes: dict[str, Outbox] = {}  # per job until its outcome is decided
         self._runner_s = 0.0  # runner time of the step in progress
         # Mean prompt length of admitted jobs (moving average): how many jobs one tick's
         # prefill budget starts, for `room()`. Starts at two blocks.
@@ -144,6 +139,7 @@ class Engine:
         submitted_at: float | None = None,
         overflow: bool = False,
         cache_group: str | None = None,
+        band: Band | None = None,
     ) -> AdmissionDecision:
         """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
         already emitted (indices 0..n-1): the job continues at index n. Its cached
@@ -155,14 +151,19 @@ class Engine:
         except `rejected_duplicate`: the copy already here finishes the job. With
         `overflow`, a job that fits the node but finds the local waiting list full
         waits anyway (the caller read it because `room()` said so: a worker whose
-        node is busy is no reason to fail a job it has taken).
+        node is busy is no reason to fail a job it has taken). `band`: the band the job
+        waited in, which it runs in (None: the one its request names).
         """
         now = self.clock()
         try:
             session = self._new_session(request, submitted_at or now)
         except ValueError as exc:
+            self._new_outbox(request.job_id, Outbox([]))
             return self._reject(request, AdmissionReason.REJECTED_INVALID, str(exc), now)
+        self._new_outbox(request.job_id, Outbox(session.events, len(resume_ids or [])))
         session.cache_scope = cache_scope(request.tenant, cache_group)
+        if band is not None:
+            session.band = band.rank
         for token in resume_ids or []:
             _, ended = session.accept(token)
             if ended is not None:  # everything was emitted; only the finish event is missing
@@ -192,6 +193,13 @@ class Engine:
             self._reject(request, decision.reason, decision.message, now)
         return decision
 
+    def _new_outbox(self, job_id: str, box: Outbox) -> None:
+        """A job's outbox, unless one for a copy still running here exists (that copy's
+        outcome is the job's; the new one is rejected as a duplicate)."""
+        known = self._outboxes.get(job_id)
+        if known is None or known.end is not None:
+            self._outboxes[job_id] = box
+
     def _wait(self, session: Session, now: float) -> None:
         """Queue locally; `self.bands` says which waiting job starts next."""
         session.waiting_since = now
@@ -211,6 +219,7 @@ class Engine:
     def drop(self, job_id: str) -> bool:
         """Forget a job this node lost (another worker owns it now): free its KV and
         stop computing it, with no terminal outcome (that belongs to the new owner)."""
+        self._outboxes.pop(job_id, None)
         session = self.session(job_id)
         if session is None:
             self._ended = [f for f in self._ended if f.job_id != job_id]
@@ -219,6 +228,13 @@ class Engine:
         self._ended = [f for f in self._ended if f.job_id != job_id]
         self.stats.record_lost()
         return True
+
+    def outbox(self, job_id: str) -> Outbox | None:
+        """What is to be published for a job submitted here: its token events, then its
+        outcome (`end`, set the moment the engine decides it). The
+        caller keeps it; the engine forgets it once `step()` returned the outcome (or
+        the job was dropped or given back)."""
+        return self._outboxes.get(job_id)
 
     def session(self, job_id: str) -> Session | None:
         """The job's session while it is admitted or waiting here (it owns the job's
@@ -268,6 +284,8 @@ class Engine:
             )
             out.decode_tokens, out.prefill_tokens = plan.num_decode_tokens, plan.num_prefill_tokens
         out.finished.extend(self._ended)
+        for done in self._ended:
+            self._outboxes.pop(done.job_id, None)
         self._ended = []
         self.stats.record_step(time.perf_counter() - step_started, self._runner_s)
         return out
@@ -407,20 +425,23 @@ class Engine:
     def _start(self, session: Session, now: float) -> None:
         # The scheduler reads the session's emitted tokens (resumed ones included) from
         # the same list the session appends to: one record of the job's output.
-        session.seq = Sequence(
+        session.seq = SeqState(
             session.job_id,
             session.prompt_ids,
             session.max_new_tokens,
             output_ids=session.emitted,
-            rank=self.bands.rank(session),  # prefill order: a starved band's first
             hash_root=self._hash_root(session),
             block_hashes=list(self._block_hashes(session)),
         )
-        self.scheduler.add(session.seq)
+        self.sessions[session.job_id] = session
+        try:
+            self.scheduler.add(session.seq)  # in prefill order (self.bands.rank)
+        except BaseException:
+            del self.sessions[session.job_id]
+            raise
         self.bands.on_start(session)
         if session.admitted_at is None:  # a preempted session keeps its first admission
             session.admitted_at = now
-        self.sessions[session.job_id] = session
         self._prompt_mean += 0.2 * (len(session.prompt_ids) - self._prompt_mean)
 
     def _promote(self, now: float) -> None:
@@ -481,6 +502,7 @@ class Engine:
         if session is None:
             return False
         self.waiting.remove(session)
+        self._outboxes.pop(job_id, None)
         self.stats.record_returned()
         return True
 
@@ -502,7 +524,14 @@ class Engine:
         """Take a session out of the engine (KV freed) and queue its terminal outcome."""
         self._remove(session)
         self.stats.record_finish(reason)
-        self._ended.append(session.finish(reason, now, self.worker, error))
+        self._decided(session.finish(reason, now, self.worker, error))
+
+    def _decided(self, finished: Finished) -> None:
+        """A job's outcome: out of the next `step()`, and into its outbox."""
+        self._ended.append(finished)
+        box = self._outboxes.get(finished.job_id)
+        if box is not None:
+            box.end = finished  # forgotten here once `step()` returned the outcome
 
     def _remove(self, session: Session) -> None:
         """Free what the session holds here: its KV (scheduler) and runner state."""
@@ -517,8 +546,7 @@ class Engine:
     ) -> AdmissionDecision:
         self.stats.record_rejection(reason)
         error = ErrorInfo(reason=str(reason), message=message[:4096])
-        rejected = terminal(request.job_id, FinishReason.REJECTED, self.worker, error=error)
-        self._ended.append(rejected)
+        self._decided(terminal(request.job_id, FinishReason.REJECTED, self.worker, error=error))
         return AdmissionDecision(reason, message)
 
     # ---- state -------------------------------------------------------------------
@@ -579,7 +607,7 @@ _QUEUE_DEADLINE = ErrorInfo(
 def _as_runner(model: ModelRunner | LoadedModel) -> ModelRunner:
     if hasattr(model, "execute"):
         return cast(ModelRunner, model)
-    from tokenfleet.model.runner import TorchRunner  # torch only where a torch model is
+    from tokenfleet.model.torch_runner import TorchRunner
 
     return TorchRunner(model)  # not a runner: a LoadedModel
 

@@ -23,22 +23,16 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
-from redis.exceptions import ResponseError
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, ResponseError
+from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
-from tokenfleet.fleet import is_missing_group
 from tokenfleet.keys import (
-    BANDS,
-    DEAD_LETTERS_MAXLEN,
-    EVENTS_MAXLEN,
-    EVENTS_TTL_S,
     GROUP,
-    JOB_STATE_TTL_S,
-    RESULT_TTL_S,
     STARVATION_GUARD,
     WORKER_TTL_S,
     Keys,
@@ -53,56 +47,44 @@ from tokenfleet.lua import (
     REQUEUE_LUA,
     TICK_LUA,
 )
+from tokenfleet.lua.calls import (
+    AcceptCall,
+    Accepted,
+    AcceptEntry,
+    DeadLetterCall,
+    Finish,
+    JobTarget,
+    ProbeCall,
+    PullBand,
+    PullCall,
+    RedeliverCall,
+    RequeueCall,
+    ScriptCall,
+    Terminal,
+    TickCall,
+    TickJob,
+    TickReply,
+    TickVerdict,
+    TokenWrite,
+    Verdict,
+    timestamp,
+)
 from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_event, encode
-from tokenfleet.worker.errors import RedisAccessError
+from tokenfleet.redis_errors import RedisAccessError, is_missing_group
 from tokenfleet.worker.recovery import Delivery, claim_orphan_entries, delivery
 
 __all__ = [
     "Accepted",
     "Delivery",
-    "InFlight",
+    "PullAsk",
+    "Replies",
+    "RoundTrip",
     "TickReply",
     "TickVerdict",
     "TickWrite",
     "Verdict",
     "WorkerQueue",
 ]
-
-ScriptArg = str | bytes | int | float
-
-
-class Verdict(StrEnum):
-    """What accept.lua says of an entry just read or claimed."""
-
-    OK = "ok"  # the job's own entry: it is this worker's to serve
-    DEFERRED = "deferred"  # its tenant is at max_running: put back at its band's tail
-    UNSUBMITTED = "unsubmitted"  # no state for the job: never submitted (or expired)
-    DUPLICATE = "duplicate"  # the job's state records another entry
-    FINISHED = "finished"  # the job ended already
-    LOST = "lost"  # the entry is not pending to this worker (claimed while it was away)
-
-
-class Accepted(NamedTuple):
-    """accept.lua's answer for one entry: its verdict, whether its client asked to cancel,
-    and, for OK: when the job was submitted (unix s; None when unknown), how many token
-    indices its replay stream holds already (a job put back or claimed resumes after
-    them), and its tenant's cache group (None: the tenant's cache is its own)."""
-
-    verdict: Verdict
-    cancelled: bool
-    submitted_at: float | None = None
-    emitted: int = 0
-    cache_group: str | None = None
-
-
-class TickVerdict(StrEnum):
-    """What tick.lua says of one held job (see the script)."""
-
-    OK = "ok"
-    CANCEL = "cancel"
-    DONE = "done"
-    LOST = "lost"
-    GAP = "gap"
 
 
 @dataclass(frozen=True)
@@ -114,12 +96,6 @@ class TickWrite:
     job_id: str
     events: list[TokenEvent]
     end: tuple[JobResult, FinishEvent] | None = None
-
-
-@dataclass(frozen=True)
-class TickReply:
-    verdict: TickVerdict
-    next_index: int  # indices the job's replay stream holds now
 
 
 class WorkerQueue:
@@ -134,11 +110,14 @@ class WorkerQueue:
         self, client: redis.Redis, keys: Keys, worker: str, model: str | None = None
     ) -> None:
         self.redis = client
+        # The worker loop retries, then resyncs (worker/loop.py); the client must not: a
+        # retried XREADGROUP whose first reply was lost leaves entries pending unseen.
+        client.set_retry(Retry(NoBackoff(), 0))
         self.keys = keys
         self.worker = worker
         self.model = model
-        self.stream = keys.jobs(model)  # the default band's
-        self.streams = keys.bands(model)  # every band's, highest first
+        self.bands = keys.bands(model)  # every band with its stream, highest first
+        self._band_of = {band.stream: band for band in self.bands}
         self.guard = STARVATION_GUARD
         self._pull = client.register_script(PULL_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
@@ -154,9 +133,9 @@ class WorkerQueue:
         """Create every band's stream and its group (from id 0, so earlier jobs are
         served). Idempotent; call at start and after a NOGROUP error (Redis restarted
         empty)."""
-        for stream in self.streams:
+        for band in self.bands:
             try:
-                self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+                self.redis.xgroup_create(band.stream, GROUP, id="0", mkstream=True)
             except ResponseError as exc:
                 if not str(exc).startswith("BUSYGROUP"):
                     raise
@@ -165,9 +144,15 @@ class WorkerQueue:
         """Check that this worker's Redis user may run every command the worker sends
         (probe.lua, on throwaway keys); raises `RedisAccessError` naming those it may not."""
         probe = self.keys.probe(self.worker)
-        script_keys = [f"{probe}:stream", f"{probe}:hash", f"{probe}:string", f"{probe}:zset"]
-        args = [GROUP, self.worker, self.keys.telemetry_channel()]
-        denied = [_str(name) for name in self._probe(keys=script_keys, args=args)]
+        call = ProbeCall(
+            stream=f"{probe}:stream",
+            hash=f"{probe}:hash",
+            string=f"{probe}:string",
+            zset=f"{probe}:zset",
+            worker=self.worker,
+            channel=self.keys.telemetry_channel(),
+        )
+        denied = call.parse(_run(self._probe, call))
         if not denied:
             self.load_scripts()
         if denied:
@@ -193,35 +178,50 @@ class WorkerQueue:
             return self._read(count, block_ms)
 
     def _read(self, count: int, block_ms: int | None) -> list[Delivery]:
-        got = self.parse_pull(self._pull(keys=self._pull_keys(), args=self._pull_args(count)))
+        got = self.parse_pull(_run(self._pull, self._pull_call(count)))
         if got or block_ms is None:
             return got
-        streams = {stream: ">" for stream in self.streams}
+        streams = dict.fromkeys(self.streams, ">")
         reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, block_ms)
-        return [delivery(entry_id, fields, 1, stream) for stream, entry_id, fields in _named(reply)]
+        return [
+            delivery(entry_id, fields, 1, self._band_of[stream])
+            for stream, entry_id, fields in _named(reply)
+        ]
+
+    @property
+    def streams(self) -> list[str]:
+        return [band.stream for band in self.bands]
+
+    def is_empty(self) -> bool:
+        """No entry waits in any band (burst mode's exit test)."""
+        return all(int(self.redis.xlen(stream)) == 0 for stream in self.streams)
+
+    def ping(self) -> None:
+        self.redis.ping()
 
     def pull(self, count: int, pipe: Any, extra: int = 0, floor: Sequence[str] = ()) -> None:
         """Queue a read of up to `count` new entries (pull.lua) on `pipe`, plus up to
         `extra` more of the highest band alone, plus one of each band in `floor` that has
         entries waiting (bands this worker holds no job of); its reply goes to
         `parse_pull`. Loaded at start (`load_scripts`), like tick.lua."""
-        script_keys = self._pull_keys()
-        args = self._pull_args(count, extra, floor)
-        pipe.evalsha(self._pull.sha, len(script_keys), *script_keys, *args)
+        _queue(pipe, self._pull.sha, self._pull_call(count, extra, floor))
 
-    def _pull_keys(self) -> list[str]:
-        return [*self.streams, self.keys.pulls(self.model)]
-
-    def _pull_args(self, count: int, extra: int = 0, floor: Sequence[str] = ()) -> list[ScriptArg]:
-        flags = ["1" if band in floor else "0" for band in BANDS]
-        return [GROUP, self.worker, count, self.guard, *BANDS, extra, *flags]
+    def _pull_call(self, count: int, extra: int = 0, floor: Sequence[str] = ()) -> PullCall:
+        bands = [PullBand(stream=b.stream, name=b.name, floor=b.name in floor) for b in self.bands]
+        return PullCall(
+            worker=self.worker,
+            bands=bands,
+            pulls=self.keys.pulls(self.model),
+            count=count,
+            guard=self.guard,
+            extra=extra,
+        )
 
     def parse_pull(self, reply: Any) -> list[Delivery]:
-        out = []
-        for band, entry_id, flat in reply or []:
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            out.append(delivery(entry_id, fields, 1, self.streams[int(band)]))
-        return out
+        return [
+            delivery(got.entry_id, got.fields, 1, self.bands[got.band])
+            for got in PullCall.parse(reply)
+        ]
 
     def own_pending(self, count: int) -> list[Delivery]:
         """Entries pending to this worker (its own pending list), with their data.
@@ -241,7 +241,10 @@ class WorkerQueue:
                 raise
             self.ensure_group()
             return []
-        return [delivery(entry_id, fields, 2, stream) for stream, entry_id, fields in _named(reply)]
+        return [
+            delivery(entry_id, fields, 2, self._band_of[stream])
+            for stream, entry_id, fields in _named(reply)
+        ]
 
     def accept(self, deliveries: Sequence[Delivery]) -> list[Accepted]:
         """Check entries against their jobs' state and mark the genuine ones running here
@@ -250,66 +253,96 @@ class WorkerQueue:
         if not deliveries:
             return []
         k = self.keys
-        script_keys: list[str] = []
-        args: list[ScriptArg] = [GROUP, self.worker, "", f"{time.time():.6f}"]
+        entries = []
         for d in deliveries:
             assert d.job_id is not None, "accept() needs the entry's job id"
-            script_keys += [d.stream, k.job(d.job_id), k.cancel(d.job_id)]
-            script_keys += self._tenant_keys(d)
-            script_keys += [k.tenant_limits(d.tenant), k.tenant_limits(None)]
-            args += [d.entry_id, d.job_id]
-        reply = self._accept(keys=script_keys, args=args)
-        return [
-            Accepted(
-                Verdict(_str(verdict)),
-                bool(int(flag)),
-                float(at) if at else None,
-                int(emitted) if emitted else 0,
-                _str(group) if group else None,
+            queued, running = self._tenant_keys(d)
+            entries.append(
+                AcceptEntry(
+                    stream=d.stream,
+                    hash=k.job(d.job_id),
+                    cancel=k.cancel(d.job_id),
+                    queued=queued,
+                    running=running,
+                    limits=k.tenant_limits(d.tenant),
+                    default_limits=k.tenant_limits(None),
+                    entry_id=d.entry_id,
+                    job_id=d.job_id,
+                )
             )
-            for verdict, flag, at, emitted, group in reply
-        ]
+        call = AcceptCall(worker=self.worker, now=timestamp(), entries=entries)
+        return call.parse(_run(self._accept, call))
 
-    def _tenant_keys(self, d: Delivery) -> list[str]:
+    def _tenant_keys(self, d: Delivery) -> tuple[str, str]:
         """The tenant's queued and running sets, which every terminal write leaves."""
-        return [
+        return (
             self.keys.tenant_queued(d.tenant, self.model),
             self.keys.tenant_running(d.tenant, self.model),
-        ]
+        )
 
     def tick(self, writes: Sequence[TickWrite], pipe: Any) -> None:
         """Queue one tick's fenced writes for every held job on `pipe` (tick.lua); the
         pipeline's reply for it goes to `parse_tick`."""
-        script_keys: list[str] = []
-        args: list[ScriptArg] = [
-            GROUP,
-            self.worker,
-            "",
-            f"{time.time():.6f}",
-            EVENTS_MAXLEN,
-            EVENTS_TTL_S,
-            RESULT_TTL_S,
-            JOB_STATE_TTL_S,
-            len(writes),
-        ]
+        held = []
         for w in writes:
-            k = self.keys
-            d = w.delivery
-            script_keys += [d.stream, k.job(w.job_id), k.events(w.job_id), k.result(w.job_id)]
-            script_keys += [k.cancel(w.job_id), *self._tenant_keys(d)]
-            args += [d.entry_id, w.job_id, k.channel(w.job_id), len(w.events)]
-            args.append("0" if w.end is None else "1")
-            for event in w.events:
-                args += [event.index, encode(event)]
+            end = None
             if w.end is not None:
                 result, finish = w.end
                 if result.job_id != w.job_id or finish.job_id != w.job_id:
                     raise ValueError(f"result and finish event must both be for job {w.job_id}")
-                args += [str(result.finish_reason), encode(result), encode(finish)]
+                end = Finish(
+                    reason=str(result.finish_reason),
+                    result_data=encode(result),
+                    finish_data=encode(finish),
+                )
+            tokens = [TokenWrite(index=e.index, data=encode(e)) for e in w.events]
+            held.append(
+                TickJob(
+                    stream=w.delivery.stream,
+                    cancel=self.keys.cancel(w.job_id),
+                    entry_id=w.delivery.entry_id,
+                    job=self._target(w.delivery, w.job_id),
+                    tokens=tokens,
+                    end=end,
+                )
+            )
         # EVALSHA itself: a pipeline that runs a registered Script first sends SCRIPT
         # EXISTS, a second round trip per tick. The script is loaded at start
         # (`load_scripts`); after a Redis restart the reply is NoScriptError: load, resend.
-        pipe.evalsha(self._tick.sha, len(script_keys), *script_keys, *args)
+        _queue(pipe, self._tick.sha, TickCall(worker=self.worker, now=timestamp(), held=held))
+
+    def send(
+        self,
+        writes: Sequence[TickWrite],
+        pull: PullAsk | None = None,
+        heartbeat: dict[str, Any] | None = None,
+    ) -> RoundTrip | None:
+        """Send one tick's round trip without waiting: the fenced writes of every held
+        job (tick.lua), a read for the engine (pull.lua), the heartbeat; None when there
+        is nothing to send. Its replies are read with `RoundTrip.replies`, after the
+        caller computed the next tick: Redis works meanwhile."""
+        reads = pull is not None and pull.reads
+        if not writes and not reads and heartbeat is None:
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        if writes:
+            self.tick(writes, pipe)
+        if pull is not None and reads:
+            self.pull(pull.count, pipe, pull.extra, pull.floor)
+        if heartbeat is not None:
+            self.heartbeat(heartbeat, pipe=pipe)
+        return RoundTrip(self, InFlight(self.redis, pipe), bool(writes), reads)
+
+    def recovered(self, exc: Exception) -> bool:
+        """Whether `exc` from a round trip was a Redis that lost its scripts or its
+        group (restarted empty), now put right here; the caller retries next time."""
+        if isinstance(exc, NoScriptError):
+            self.load_scripts()
+            return True
+        if isinstance(exc, ResponseError) and is_missing_group(exc):
+            self.ensure_group()
+            return True
+        return False
 
     def load_scripts(self) -> None:
         """(Re)load the pipelined scripts (tick.lua, pull.lua) into Redis's script cache
@@ -319,7 +352,22 @@ class WorkerQueue:
 
     @staticmethod
     def parse_tick(reply: Any) -> list[TickReply]:
-        return [TickReply(TickVerdict(_str(v)), int(n)) for v, n in reply]
+        return TickCall.parse(reply)
+
+    def _target(self, d: Delivery, job_id: str) -> JobTarget:
+        """Where a job's terminal writes go (its result, state, replay stream, tenant
+        sets) and its live channel."""
+        queued, running = self._tenant_keys(d)
+        k = self.keys
+        return JobTarget(
+            result=k.result(job_id),
+            hash=k.job(job_id),
+            events=k.events(job_id),
+            queued=queued,
+            running=running,
+            channel=k.channel(job_id),
+            job_id=job_id,
+        )
 
     def emitted_tokens(self, job_id: str) -> list[int]:
         """Token ids already published for indices 0..k-1, for a worker resuming the job.
@@ -352,13 +400,13 @@ class WorkerQueue:
         payload None: dead-letter it. Dead consumers left with nothing pending are
         removed from the group. A live worker's entries are never claimed."""
         claimed: list[Delivery] = []
-        for stream in self.streams:  # the highest band's orphans first
+        for band in self.bands:  # the highest band's orphans first
             left = max_count - len(claimed)
             if left <= 0:
                 break
             try:
                 claimed += claim_orphan_entries(
-                    self.redis, self._claim, self.keys, stream, self.worker, left, min_idle_ms
+                    self.redis, self._claim, self.keys, band, self.worker, left, min_idle_ms
                 )
             except ResponseError as exc:
                 if not is_missing_group(exc):
@@ -371,17 +419,28 @@ class WorkerQueue:
 
         Returns the new delivery count, or None when the entry is no longer this
         worker's (claimed, finished) or its data was deleted (redeliver.lua)."""
-        count = self._redeliver(keys=[d.stream], args=self._common_args(d.entry_id))
-        return None if count is None else int(count)
+        call = RedeliverCall(
+            stream=d.stream, worker=self.worker, entry_id=d.entry_id, now=timestamp()
+        )
+        return call.parse(_run(self._redeliver, call))
 
     def requeue(self, d: Delivery) -> str | None:
         """Put a held job this worker cannot start back at the tail of its band, for any
         worker (requeue.lua). Returns the new entry id, or None with nothing written when
         the entry is no longer this worker's or the job's."""
         assert d.job_id is not None, "requeue() needs the entry's job id"
-        script_keys = [d.stream, self.keys.job(d.job_id), *self._tenant_keys(d)]
-        again = self._requeue(keys=script_keys, args=[*self._common_args(d.entry_id), d.job_id])
-        return _str(again) if again else None
+        queued, running = self._tenant_keys(d)
+        call = RequeueCall(
+            stream=d.stream,
+            hash=self.keys.job(d.job_id),
+            queued=queued,
+            running=running,
+            worker=self.worker,
+            entry_id=d.entry_id,
+            now=timestamp(),
+            job_id=d.job_id,
+        )
+        return call.parse(_run(self._requeue, call))
 
     # --- terminal writes ----------------------------------------------------
     def dead_letter(
@@ -400,42 +459,33 @@ class WorkerQueue:
         with nothing written, when the entry is not this worker's."""
         if (finish is None) != (result is None):
             raise ValueError("give both finish and result, or neither")
-        script_keys = [delivery.stream, self.keys.dead_letters()]
-        args: list[ScriptArg] = [
-            *self._common_args(delivery.entry_id),
-            delivery.job_id or "",
-            reason,
-            message,
-            delivery.deliveries,
-            delivery.payload or b"",
-            DEAD_LETTERS_MAXLEN,
-            "1" if delivery.lost else "0",
-        ]
+        terminal = None
         if finish is not None and result is not None:
             if result.job_id != finish.job_id:
                 raise ValueError("result and finish event are for different jobs")
-            script_keys += [*self._terminal_keys(finish.job_id), *self._tenant_keys(delivery)]
-            args += self._terminal_args(result, finish)
-        return bool(self._dead_letter(keys=script_keys, args=args))
-
-    def _common_args(self, entry_id: str) -> list[ScriptArg]:
-        return [GROUP, self.worker, entry_id, f"{time.time():.6f}"]
-
-    def _terminal_keys(self, job_id: str) -> list[str]:
-        return [self.keys.result(job_id), self.keys.job(job_id), self.keys.events(job_id)]
-
-    def _terminal_args(self, result: JobResult, finish: FinishEvent) -> list[ScriptArg]:
-        return [
-            encode(result),
-            RESULT_TTL_S,
-            str(result.finish_reason),
-            JOB_STATE_TTL_S,
-            encode(finish),
-            EVENTS_MAXLEN,
-            EVENTS_TTL_S,
-            self.keys.channel(finish.job_id),
-            finish.job_id,
-        ]
+            terminal = Terminal(
+                job=self._target(delivery, finish.job_id),
+                finish=Finish(
+                    reason=str(result.finish_reason),
+                    result_data=encode(result),
+                    finish_data=encode(finish),
+                ),
+            )
+        call = DeadLetterCall(
+            stream=delivery.stream,
+            dead_letters=self.keys.dead_letters(),
+            worker=self.worker,
+            entry_id=delivery.entry_id,
+            now=timestamp(),
+            job_id=delivery.job_id or "",
+            reason=reason,
+            message=message,
+            deliveries=delivery.deliveries,
+            payload=delivery.payload or b"",
+            lost=delivery.lost,
+            terminal=terminal,
+        )
+        return call.parse(_run(self._dead_letter, call))
 
     # --- heartbeat ------------------------------------------------------------
     def heartbeat(self, info: dict[str, Any], pipe: Any = None) -> None:
@@ -463,6 +513,69 @@ class WorkerQueue:
         pipe.delete(self.keys.worker(self.worker))
         pipe.zrem(self.keys.workers(), self.worker)
         pipe.execute()
+
+
+@dataclass(frozen=True)
+class PullAsk:
+    """What a round trip reads for the engine (pull.lua): up to `count` new entries,
+    highest band first, `extra` more of the top band alone (jobs that would preempt
+    lower bands running here), and one entry of each band in `floor` that has some."""
+
+    count: int
+    extra: int = 0
+    floor: tuple[str, ...] = ()
+
+    @property
+    def reads(self) -> bool:
+        return self.count > 0 or self.extra > 0 or bool(self.floor)
+
+
+@dataclass(frozen=True)
+class Replies:
+    """A round trip's replies, by name. `tick` is tick.lua's verdict per write, in the
+    order sent (None: the round trip had no writes, or they failed and go out again);
+    `pulled` the entries read; `failures` the errors the caller must raise. A Redis that
+    lost its scripts or its group (restarted empty) is handled here: the scripts are
+    loaded, the group created, and the writes or the read go out again next time."""
+
+    tick: list[TickReply] | None
+    pulled: list[Delivery]
+    failures: list[Exception]
+
+
+class RoundTrip:
+    """One tick's pipeline, sent and not yet read (see `WorkerQueue.send`)."""
+
+    def __init__(self, queue: WorkerQueue, call: InFlight, writes: bool, reads: bool) -> None:
+        self._queue = queue
+        self._call = call
+        self._writes = writes
+        self._reads = reads
+
+    def replies(self) -> Replies:
+        """Wait for the replies and name them (see `Replies`)."""
+        got = iter(self._call.replies())
+        tick: list[TickReply] | None = None
+        pulled: list[Delivery] = []
+        failures: list[Exception] = []
+        if self._writes:
+            reply = next(got)
+            if isinstance(reply, Exception):
+                failures.append(reply)  # the writes stay in the sessions: sent again
+            else:
+                tick = self._queue.parse_tick(reply)
+        if self._reads:
+            reply = next(got)
+            if isinstance(reply, Exception):
+                failures.append(reply)  # nothing was read: the next round trip reads
+            else:
+                pulled = self._queue.parse_pull(reply)
+        failures += [r for r in got if isinstance(r, Exception)]  # the heartbeat's
+        return Replies(tick, pulled, [f for f in failures if not self._queue.recovered(f)])
+
+    def abandon(self) -> None:
+        """Give it up (its connection was lost): what it carried goes out again."""
+        self._call.abandon()
 
 
 class InFlight:
@@ -518,8 +631,12 @@ def _named(reply: Any) -> list[tuple[str, Any, Any]]:
     return [(_str(name), e[0], e[1]) for name, entries in pairs for e in entries]
 
 
-def entries_of(reply: Any) -> list[tuple[Any, Any]]:
-    """XREADGROUP's entries: RESP2 [[name, entries]], RESP3 {name: [entries]}."""
-    if isinstance(reply, dict):
-        return [entry for nested in reply.values() for entries in nested for entry in entries]
-    return [entry for _name, entries in reply or [] for entry in entries]
+def _run(script: Any, call: ScriptCall) -> Any:
+    """Run a registered script with a call's keys and arguments."""
+    return script(keys=call.keys(), args=call.args())
+
+
+def _queue(pipe: Any, sha: str, call: ScriptCall) -> None:
+    """Queue a loaded script's call on `pipe` by EVALSHA (see `tick`)."""
+    script_keys = call.keys()
+    pipe.evalsha(sha, len(script_keys), *script_keys, *call.args())

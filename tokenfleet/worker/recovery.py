@@ -10,13 +10,14 @@ heartbeat and claims together, so a live worker's entries are never taken.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from tokenfleet.fleet import text
-from tokenfleet.keys import DEFAULT_TENANT, GROUP, Keys, valid_job_id, valid_tenant
+from tokenfleet.keys import DEFAULT_TENANT, GROUP, Band, Keys, valid_job_id, valid_tenant
+from tokenfleet.lua.calls import Candidate, ClaimOrphansCall
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,10 @@ class Delivery:
     no `payload` field or its data was deleted. `deliveries` counts how often the
     group handed it out (1 for a fresh read; each claim adds one). `lost` marks an
     entry whose data was deleted while pending: `claim_orphans` already took it off
-    the pending list, so only `dead_letter` applies to it. `stream` is the band's jobs
-    stream it was read from (entry ids are per stream); `tenant` is the entry's `tenant`
-    field (written by submit.lua; `default` when absent or invalid).
+    the pending list, so only `dead_letter` applies to it. `band` is the priority band
+    whose stream it was read from (entry ids are per stream): the band the job waited in
+    is the band it runs in. `tenant` is the entry's `tenant` field (written by
+    submit.lua; `default` when absent or invalid).
     """
 
     entry_id: str
@@ -38,13 +40,15 @@ class Delivery:
     payload: bytes | None
     deliveries: int = 1
     lost: bool = False
-    stream: str = ""
+    band: Band = field(kw_only=True)
     tenant: str = DEFAULT_TENANT
 
+    @property
+    def stream(self) -> str:
+        return self.band.stream
 
-def delivery(
-    entry_id: Any, fields: dict[Any, Any] | None, deliveries: int, stream: str
-) -> Delivery:
+
+def delivery(entry_id: Any, fields: dict[Any, Any] | None, deliveries: int, band: Band) -> Delivery:
     """A `Delivery` from a stream entry's id and fields (bytes or str keys; None = deleted)."""
     fields = {text(k): v for k, v in (fields or {}).items()}
     raw_tenant = fields.get("tenant")
@@ -65,7 +69,7 @@ def delivery(
         job_id,
         payload if isinstance(payload, bytes) else None,
         deliveries,
-        stream=stream,
+        band=band,
         tenant=tenant if valid_tenant(tenant) else DEFAULT_TENANT,
     )
 
@@ -74,31 +78,35 @@ def claim_orphan_entries(
     client: redis.Redis,
     script: Any,
     keys: Keys,
-    stream: str,
+    band: Band,
     worker: str,
     max_count: int,
     min_idle_ms: int,
 ) -> list[Delivery]:
-    """Claim up to `max_count` entries idle ≥ `min_idle_ms` from dead consumers of `stream`.
+    """Claim up to `max_count` entries idle ≥ `min_idle_ms` from dead consumers of the
+    band's stream.
 
     `script` is tokenfleet.lua.CLAIM_ORPHANS_LUA registered on `client`. Raises ResponseError
     (NOGROUP / no such key) when the stream or group is missing."""
     if max_count <= 0:
         return []
+    stream = band.stream
     consumers = [text(c["name"]) for c in client.xinfo_consumers(stream, GROUP)]
     others = [name for name in consumers if name != worker]
     if not others:
         return []
-    reply = script(
-        keys=[stream, *(keys.worker(name) for name in others)],
-        args=[GROUP, worker, min_idle_ms, max_count, *others],
+    call = ClaimOrphansCall(
+        stream=stream,
+        worker=worker,
+        candidates=[Candidate(hash=keys.worker(name), name=name) for name in others],
+        min_idle_ms=min_idle_ms,
+        most=max_count,
     )
     claimed = []
-    for entry_id, deliveries, flat in reply:
-        if flat:  # [f1, v1, f2, v2, ...]
-            fields = dict(zip(flat[::2], flat[1::2], strict=True))
-            claimed.append(delivery(entry_id, fields, int(deliveries), stream))
+    for got in call.parse(script(keys=call.keys(), args=call.args())):
+        if got.fields is not None:
+            claimed.append(delivery(got.entry_id, got.fields, got.deliveries, band))
         else:  # its data was deleted: the script took it off the pending list
-            lost = Delivery(text(entry_id), None, None, int(deliveries), lost=True, stream=stream)
+            lost = Delivery(got.entry_id, None, None, got.deliveries, lost=True, band=band)
             claimed.append(lost)
     return claimed

@@ -5,7 +5,7 @@ token (its last sampled one) first; then up to `max_prefill_tokens_per_tick`
 prompt tokens of waiting sessions, FIFO and chunked. Decode first, then bounded
 prefill: a burst of new prompts never stalls generations in flight.
 
-Token bookkeeping of one `Sequence` (n = num_tokens = len(prompt) + len(output)):
+Token bookkeeping of one `SeqState` (n = num_tokens = len(prompt) + len(output)):
 
     all_ids        [p0 .. p_k, o0 .. o_j]       prompt, then tokens sampled so far
     num_computed   tokens whose KV is in the cache
@@ -33,61 +33,12 @@ done, then calls `complete_tick`.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenfleet.kv import BlockManager
 from tokenfleet.kv.prefix import chain_hashes
-
-
-class SeqStatus(StrEnum):
-    WAITING = "waiting"  # admitted, KV reserved, no prefill yet
-    PREFILL = "prefill"  # part of all_ids is in the cache
-    DECODE = "decode"  # first token sampled; one token per tick from now on
-    FINISHED = "finished"
-
-
-@dataclass(eq=False)
-class Sequence:
-    session_id: str
-    prompt_ids: list[int]
-    max_new_tokens: int  # the job's whole budget, resumed outputs included
-    output_ids: list[int] = field(default_factory=list)  # the session's, read-only here
-    num_computed: int = 0
-    status: SeqStatus = SeqStatus.WAITING
-    # Prefix caching: the chain's root (None: this session neither shares nor registers)
-    # and the content addresses of its full blocks, known ones first (those of the
-    # tokens before the last one at admission), extended as blocks fill.
-    hash_root: bytes | None = None
-    block_hashes: list[bytes] = field(default_factory=list)
-    num_registered: int = 0  # leading blocks registered (or found) in the cache
-    num_cached: int = 0  # leading tokens whose KV the cache supplied
-    looked_up: bool = False  # its lookup is counted in the cache's stats
-    rank: int = 1  # its priority band's place in keys.BANDS (0 = interactive): prefill order
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def prefill_remaining(self) -> int:
-        """Tokens still to feed before the first sample (0 once decoding)."""
-        if self.status in (SeqStatus.WAITING, SeqStatus.PREFILL):
-            return self.num_tokens - self.num_computed
-        return 0
-
-    @property
-    def remaining_new_tokens(self) -> int:
-        return self.max_new_tokens - len(self.output_ids)
-
-    @property
-    def max_kv_tokens(self) -> int:
-        """Worst-case token slots: what admission checks and `add` reserves."""
-        return len(self.prompt_ids) + self.max_new_tokens
+from tokenfleet.seam import DecodeStep, PrefillChunk, SeqState, SeqStatus, TickPlan
 
 
 @dataclass(frozen=True)
@@ -104,72 +55,21 @@ class SchedulerConfig:
             )
 
 
-@dataclass(frozen=True)
-class DecodeStep:
-    """One decode token: input all_ids[-1] at `position`, attends over `context_len` slots."""
-
-    seq: Sequence
-    token_id: int
-    position: int  # == context_len - 1
-    context_len: int
-    block_table: list[int]  # covers context_len slots
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Feeds all_ids[start:start+length] at positions start..start+length-1."""
-
-    seq: Sequence
-    start: int
-    length: int
-    samples: bool  # this chunk ends the prefill: sample the first token from its last logits
-    block_table: list[int]  # covers context_len slots
-
-    @property
-    def context_len(self) -> int:
-        return self.start + self.length
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.all_ids[self.start : self.start + self.length]
-
-
-@dataclass(frozen=True)
-class TickPlan:
-    decode: list[DecodeStep]
-    prefill: list[PrefillChunk]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.prefill
-
-    @property
-    def entries(self) -> list[DecodeStep | PrefillChunk]:
-        """Every entry in forward order: decode steps, then prefill chunks."""
-        return [*self.decode, *self.prefill]
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return len(self.decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.length for c in self.prefill)
-
-    @property
-    def sampling_ids(self) -> list[str]:
-        """Sessions that get a sampled token from this tick, in plan order."""
-        ids = [d.seq.session_id for d in self.decode]
-        return ids + [c.seq.session_id for c in self.prefill if c.samples]
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        blocks: BlockManager,
+        rank: Callable[[str], int] = lambda _session_id: 0,
+    ) -> None:
         self.config = config
         self.blocks = blocks
-        self._seqs: dict[str, Sequence] = {}
-        self._waiting: deque[Sequence] = deque()  # WAITING/PREFILL, FIFO; only the head is partial
-        self._running: deque[Sequence] = deque()  # DECODE, rotated when over max_batch_size
+        # Where a session stands in the prefill order (lower first), as its owner says
+        # (the engine's BandPolicy: bands, starved ones first); the default is one rank.
+        self.rank = rank
+        self._seqs: dict[str, SeqState] = {}
+        self._waiting: deque[SeqState] = deque()  # WAITING/PREFILL, FIFO; only the head is partial
+        self._running: deque[SeqState] = deque()  # DECODE, rotated when over max_batch_size
         self._in_flight: TickPlan | None = None
 
     # ---- membership -------------------------------------------------------------
@@ -180,7 +80,7 @@ class Scheduler:
     def __len__(self) -> int:
         return len(self._seqs)
 
-    def get(self, session_id: str) -> Sequence:
+    def get(self, session_id: str) -> SeqState:
         return self._seqs[session_id]
 
     @property
@@ -205,7 +105,7 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self._seqs
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SeqState) -> None:
         """Take an admitted session and reserve its worst-case KV (raises if it cannot)."""
         if seq.status is not SeqStatus.WAITING or seq.num_computed != 0:
             raise ValueError(f"{seq.session_id!r}: add() takes a fresh WAITING sequence")
@@ -218,14 +118,15 @@ class Scheduler:
         seq.num_computed = seq.num_cached = cached
         seq.num_registered = cached // self.blocks.block_size
         self._seqs[seq.session_id] = seq
-        # Ahead of every unstarted sequence of a lower band; never ahead of one whose
+        # Ahead of every unstarted sequence that ranks below it; never ahead of one whose
         # prefill has begun (only the head is partial).
         at = len(self._waiting)
+        rank = self.rank(seq.session_id)
         while at > 0:
             before = self._waiting[at - 1]
             if before.status is not SeqStatus.WAITING or before.num_computed > before.num_cached:
                 break
-            if before.rank <= seq.rank:
+            if self.rank(before.session_id) <= rank:
                 break
             at -= 1
         self._waiting.insert(at, seq)
@@ -294,7 +195,7 @@ class Scheduler:
             self._waiting.remove(seq)
             self._running.append(seq)
 
-    def _look_up(self, seq: Sequence) -> None:
+    def _look_up(self, seq: SeqState) -> None:
         """Just before a session's first prefill chunk: adopt what the cache holds of its
         prefix now (sessions admitted together find the blocks the first of them
         computed in the ticks since), and count the lookup once."""
@@ -309,7 +210,7 @@ class Scheduler:
             queried = len(seq.block_hashes)
             self.blocks.record_query(seq.num_tokens, cached, queried, cached // size)
 
-    def _register(self, seq: Sequence) -> None:
+    def _register(self, seq: SeqState) -> None:
         """Offer the blocks the last tick filled to the prefix cache."""
         if seq.hash_root is None or not self.blocks.prefix_cache:
             return
@@ -326,14 +227,9 @@ class Scheduler:
             self.blocks.register(seq.session_id, index, seq.block_hashes[index])
         seq.num_registered = full
 
-    def discard_tick(self, plan: TickPlan) -> None:
-        """Forget a plan whose forward pass failed: nothing advances, blocks stay ensured."""
-        assert plan.is_empty or plan is self._in_flight
-        self._in_flight = None
-
     # ---- endings ------------------------------------------------------------------
 
-    def finish(self, session_id: str) -> Sequence:
+    def finish(self, session_id: str) -> SeqState:
         """End a session in any state, free its KV, and return it marked FINISHED."""
         seq = self._seqs.pop(session_id)
         if seq.status is SeqStatus.DECODE:

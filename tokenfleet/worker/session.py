@@ -1,7 +1,7 @@
 """One job inside the engine: its request, emitted tokens, text stream, finish and timings.
 
 The session is the one record of a job's output: `emitted` (token ids, also the
-scheduler's `Sequence.output_ids`, the same list) and `events` (one `TokenEvent`
+scheduler's `SeqState.output_ids`, the same list) and `events` (one `TokenEvent`
 per emitted token, built once, published as is). Everything it produces goes
 through `accept`, one sampled token at a time, and `accept` alone decides when
 the job ends (stop token, stop string, length). A resumed session (crash
@@ -18,6 +18,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenfleet.grammar import grammar_failed, unmet
+from tokenfleet.keys import band_rank
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import (
     ErrorInfo,
@@ -29,9 +31,7 @@ from tokenfleet.protocol import (
     Usage,
 )
 from tokenfleet.reasons import FinishReason
-from tokenfleet.worker.grammar import grammar_failed, unmet
-from tokenfleet.worker.runner import ResolvedSampling
-from tokenfleet.worker.scheduler import Sequence
+from tokenfleet.seam import ResolvedSampling, SeqState
 from tokenfleet.worker.stops import StopStrings
 
 
@@ -45,6 +45,36 @@ class Finished:
     @property
     def job_id(self) -> str:
         return self.event.job_id
+
+
+@dataclass
+class Outbox:
+    """What is to be published for one job: its token events from `sent` on, then its
+    terminal outcome (`end`, set by the engine when it decided one). The engine hands
+    one out per job (`Engine.outbox`); the worker loop sends what it holds and records
+    what Redis confirmed. `events` is the session's own list (the engine appends to it;
+    nothing else writes it)."""
+
+    events: Seq[TokenEvent]
+    sent: int = 0  # token indices the job's replay stream holds, as the last publish said
+    end: Finished | None = None
+
+    def unsent(self) -> list[TokenEvent]:
+        return list(self.events[self.sent :])
+
+    def confirm(self, next_index: int) -> None:
+        """Redis holds indices 0..next_index-1 now."""
+        self.sent = next_index
+
+    def rewind(self) -> None:
+        """After a lost connection: send every event again (tick.lua appends only the
+        indices the replay stream lacks)."""
+        self.sent = 0
+
+    @property
+    def dirty(self) -> bool:
+        """Something decided for the job is not in Redis yet."""
+        return len(self.events) > self.sent or self.end is not None
 
 
 def terminal(
@@ -86,7 +116,7 @@ class Session:
     stop_ids: frozenset[int]
     submitted_at: float  # unix seconds, from the job's state (for timings)
     scratch_bytes: int
-    seq: Sequence | None = None  # set once admitted into the scheduler
+    seq: SeqState | None = None  # set once admitted into the scheduler
     emitted: list[int] = field(default_factory=list)  # token ids of events 0..n-1
     events: list[TokenEvent] = field(default_factory=list)
     admitted_at: float | None = None
@@ -106,6 +136,7 @@ class Session:
     # priority bands on the worker (bands.py): when it began to wait here (arrival or
     # preemption), how often it was put back, and the emitted count before which it must
     # not be put back again (None: it may be)
+    band: int = field(init=False)  # the rank of the band it runs in (keys.band_rank)
     waiting_since: float = 0.0
     preemptions: int = 0
     protect_until: int | None = None
@@ -113,6 +144,7 @@ class Session:
 
     def __post_init__(self) -> None:
         self._stops = StopStrings(self.request.stop)
+        self.band = band_rank(self.request.priority)  # the engine may say another
 
     @property
     def job_id(self) -> str:

@@ -2,7 +2,7 @@
 
 torch's OpenMP threads spin while they wait for each other. On cores of its own that is
 the fastest setting, but beside one busy neighbour on 2 cores a 2-thread worker fell to
-0.28x of its quiet speed (docs/benchmarks.md): one of its threads is descheduled while
+0.28x of its quiet speed (docs/benchmarks-history.md): one of its threads is descheduled while
 the other spins at a barrier. One thread kept 0.68x. So a worker whose thread count was
 not pinned watches how much CPU the rest of the machine uses, on the CPUs it may run on
 (/proc/stat, less its own CPU time), and runs as many threads as cores are left free:

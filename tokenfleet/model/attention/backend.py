@@ -7,7 +7,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from tokenfleet.model.batch import BatchPlan
+from tokenfleet.model.tick_inputs import BatchPlan
 
 
 class AttentionBackend(Protocol):

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tokenfleet.model.attention.backend import AttentionBackend
-from tokenfleet.model.batch import BatchPlan
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.layers import AttnWeights
 from tokenfleet.model.norm import RMSNorm
 from tokenfleet.model.quant import QuantLinear, weight_of
+from tokenfleet.model.tick_inputs import BatchPlan
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tokenfleet.model.batch import BatchPlan, DecodeGroup, PrefillSpan
+from tokenfleet.model.tick_inputs import BatchPlan, DecodeGroup, PrefillSpan
 
 MIN_SHARED_BLOCKS = 2  # a shorter common prefix is not worth a second code path
 

@@ -32,6 +32,7 @@ from pydantic import (
     model_validator,
 )
 
+from tokenfleet.grammar import GrammarError, check
 from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT
 from tokenfleet.protocol import (
     MAX_CACHE_SALT_CHARS,
@@ -51,7 +52,6 @@ from tokenfleet.protocol import (
     Priority,
     Structured,
 )
-from tokenfleet.worker.grammar import GrammarError, check
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise

@@ -7,7 +7,7 @@ index precomputed per vocabulary up front, its wheel declares no dependencies (n
 torch, no compiler), and its mask computation drops the GIL, so a tick computes the
 masks of its structured sessions on a thread while the forward pass runs (`MaskJobs`).
 Measured here: a schema on every session costs about 4 % of useful tok/s
-(docs/benchmarks.md, "Structured output"). A session without a grammar never touches
+(docs/benchmarks-history.md, "Structured output"). A session without a grammar never touches
 it. xgrammar and outlines-core were not measured side by side.
 
 Per session: one `LLMatcher`; every emitted token (resumed ones too) is consumed into

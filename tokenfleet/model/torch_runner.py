@@ -16,13 +16,12 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from tokenfleet.model.batch import SeqInput
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.sampling import Sampler, SamplingState
+from tokenfleet.model.tick_inputs import SeqInput
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.worker.runner import ModelSpec, ResolvedSampling, TokenMasks
-from tokenfleet.worker.scheduler import DecodeStep, TickPlan
+from tokenfleet.seam import DecodeStep, ModelSpec, ResolvedSampling, TickPlan, TokenMasks
 
 ForwardObserver = Callable[[list[int], list[SeqInput]], None]
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from support import wait_for
-
+from tests.helpers.support import wait_for
 from tokenfleet.local import LocalWorkers
 
 if TYPE_CHECKING:

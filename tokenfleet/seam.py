@@ -6,7 +6,7 @@
 
 The engine (admission, scheduling, job lifecycle) holds no torch and no model:
 everything it knows about one comes from `ModelSpec` and `scratch_bytes`, and
-everything it asks of one is `execute`. `TorchRunner` (`tokenfleet.model.runner`)
+everything it asks of one is `execute`. `TorchRunner` (`tokenfleet.model.torch_runner`)
 is today's implementation; a static-shape or CUDA-graph runner, or another
 engine backend, implements the same four methods. A fake runner in the tests
 drives the whole engine with torch not even importable.
@@ -21,13 +21,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenfleet.kv import KVLayout
 
 if TYPE_CHECKING:
     from tokenfleet.model.tokenizer import Tokenizer
-    from tokenfleet.worker.scheduler import TickPlan
 
 
 @dataclass(frozen=True)
@@ -165,3 +165,111 @@ class ModelRunner(Protocol):
 
     def release(self, session_id: str) -> None:
         """Forget a session that ended or moved away (a no-op for one never executed)."""
+
+
+class SeqStatus(StrEnum):
+    WAITING = "waiting"  # admitted, KV reserved, no prefill yet
+    PREFILL = "prefill"  # part of all_ids is in the cache
+    DECODE = "decode"  # first token sampled; one token per tick from now on
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class SeqState:
+    session_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int  # the job's whole budget, resumed outputs included
+    output_ids: list[int] = field(default_factory=list)  # the session's, read-only here
+    num_computed: int = 0
+    status: SeqStatus = SeqStatus.WAITING
+    # Prefix caching: the chain's root (None: this session neither shares nor registers)
+    # and the content addresses of its full blocks, known ones first (those of the
+    # tokens before the last one at admission), extended as blocks fill.
+    hash_root: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0  # leading blocks registered (or found) in the cache
+    num_cached: int = 0  # leading tokens whose KV the cache supplied
+    looked_up: bool = False  # its lookup is counted in the cache's stats
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefill_remaining(self) -> int:
+        """Tokens still to feed before the first sample (0 once decoding)."""
+        if self.status in (SeqStatus.WAITING, SeqStatus.PREFILL):
+            return self.num_tokens - self.num_computed
+        return 0
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    @property
+    def max_kv_tokens(self) -> int:
+        """Worst-case token slots: what admission checks and `add` reserves."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """One decode token: input all_ids[-1] at `position`, attends over `context_len` slots."""
+
+    seq: SeqState
+    token_id: int
+    position: int  # == context_len - 1
+    context_len: int
+    block_table: list[int]  # covers context_len slots
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Feeds all_ids[start:start+length] at positions start..start+length-1."""
+
+    seq: SeqState
+    start: int
+    length: int
+    samples: bool  # this chunk ends the prefill: sample the first token from its last logits
+    block_table: list[int]  # covers context_len slots
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.length
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_ids[self.start : self.start + self.length]
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    decode: list[DecodeStep]
+    prefill: list[PrefillChunk]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+    @property
+    def entries(self) -> list[DecodeStep | PrefillChunk]:
+        """Every entry in forward order: decode steps, then prefill chunks."""
+        return [*self.decode, *self.prefill]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return len(self.decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.length for c in self.prefill)
+
+    @property
+    def sampling_ids(self) -> list[str]:
+        """Sessions that get a sampled token from this tick, in plan order."""
+        ids = [d.seq.session_id for d in self.decode]
+        return ids + [c.seq.session_id for c in self.prefill if c.samples]

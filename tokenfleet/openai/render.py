@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from tokenfleet.gateway.openai_models import (
+from tokenfleet.openai.models import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

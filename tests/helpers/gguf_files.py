@@ -95,7 +95,8 @@ def write_gguf(
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = permute_rows(arr, c.num_attention_heads)
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = permute_rows(arr, c.num_key_value_heads)
+            # transformers sets num_key_value_heads (None in a config = num_attention_heads)
+            arr = permute_rows(arr, c.num_key_value_heads or c.num_attention_heads)
         if quant != F32 and arr.ndim >= 2:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, quant), raw_dtype=quant)
         else:

@@ -8,13 +8,12 @@ turns a job's terminal event into a status code.
 from __future__ import annotations
 
 from pydantic import ValidationError
-from starlette.responses import JSONResponse
 
 from tokenfleet.errors import QueueFull, TenantQueueFull
-from tokenfleet.gateway.openai_models import ErrorBody, ErrorDetail
+from tokenfleet.grammar import MAX_SCHEMA_DEPTH, GrammarEnd
+from tokenfleet.openai.models import ErrorBody, ErrorDetail
 from tokenfleet.protocol import FinishEvent
 from tokenfleet.reasons import AdmissionReason, FinishReason
-from tokenfleet.worker.grammar import MAX_SCHEMA_DEPTH, GrammarEnd
 
 INVALID = "invalid_request_error"
 # pydantic's JSON parser (jiter) refuses a body whose arrays and objects nest deeper
@@ -49,9 +48,9 @@ class ApiError(Exception):
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
         self.headers = headers or {}
 
-    def response(self) -> JSONResponse:
-        body = ErrorBody(error=self.detail).model_dump(mode="json")
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+    def body(self) -> dict[str, object]:
+        """The JSON body (the gateway sends it with `status` and `headers`)."""
+        return ErrorBody(error=self.detail).model_dump(mode="json")
 
     def sse(self) -> bytes:
         """The same error as one server-sent event (the OpenAI client raises on it)."""

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from tokenfleet.cli.common import Prefix, RedisUrl, connect, settings
+from tokenfleet.cli.options import load, option
+from tokenfleet.config import WorkerSettings
 from tokenfleet.keys import Keys
 
 
@@ -94,13 +96,7 @@ def top(redis_url: RedisUrl = None, prefix: Prefix = None) -> None:
 
 def up(
     workers: Annotated[int, typer.Option("--workers", help="worker processes")] = 2,
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            help="preset or checkpoint folder (default: $TOKENFLEET_MODEL or tiny-random)",
-        ),
-    ] = None,
+    model: Annotated[str | None, option(WorkerSettings, "model")] = None,
     threads: Annotated[int, typer.Option("--threads", help="torch threads per worker")] = 1,
     embedded: Annotated[
         bool, typer.Option("--embedded", help="start an embedded Redis instead of --redis-url")
@@ -114,7 +110,7 @@ def up(
 
     from tokenfleet.local import LocalWorkers, redis_for
 
-    conf = settings(redis_url, prefix)
+    conf = load(WorkerSettings, redis_url=redis_url, prefix=prefix, model=model)
     stop = threading.Event()
 
     def on_signal(_signum: int, _frame: object) -> None:
@@ -122,7 +118,7 @@ def up(
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    worker_args = ["--model", model or conf.model, "--threads", str(threads)]
+    worker_args = ["--model", conf.model, "--threads", str(threads)]
     with redis_for(None if embedded else conf.redis_url) as (url, kind):
         fleet = LocalWorkers(url, conf.prefix, worker_args)
         names = fleet.start(workers, name_prefix="up")

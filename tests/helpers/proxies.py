@@ -1,114 +1,14 @@
-"""Test support importable from any test: free ports, condition waits, a redis-server process,
-a proxy that loses a reply."""
+"""TCP proxies in front of a redis-server, for fault tests: one that loses a reply in
+transit, one that partitions the network and heals it."""
 
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from threading import Event
 
-import pytest
-import redis
-
-from tokenfleet.local import free_port
-
-__all__ = [
-    "LostReplyProxy",
-    "PartitionProxy",
-    "RedisServer",
-    "free_port",
-    "run_cli",
-    "wait_for",
-]
-ROOT = Path(__file__).parent.parent
-
-
-def run_cli(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    """Run `tokenfleet ARGS` as its own process; wide output so Rich doesn't wrap lines."""
-    env = {**(env or os.environ), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "tokenfleet.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-    )
-
-
-def wait_for(
-    predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition"
-) -> None:
-    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
-@dataclass
-class RedisServer:
-    """A redis-server child process on a free port."""
-
-    port: int
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-    appendonly: bool = False
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail(
-                "redis-server is not on PATH: install it (apt-get install -y redis-server); "
-                "these tests need a real Redis",
-                pytrace=False,
-            )
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
-        args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no"]
-        args += ["--maxmemory-policy", "noeviction", "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.ConnectionError:
-                return False
-
-        wait_for(up, 20, "redis-server to accept connections")
-        client.close()
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is None:
-            return
-        if kill:
-            self.proc.kill()
-        else:
-            self.proc.terminate()
-        self.proc.wait(timeout=20)
-        self.proc = None
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
+__all__ = ["LostReplyProxy", "PartitionProxy"]
 
 
 class LostReplyProxy:

@@ -1,0 +1,135 @@
+"""`tokenfleet worker`'s settings: the model it serves, its engine's budget, its loop.
+
+`tokenfleet.worker.main.build_worker` turns them into a running worker (the engine's
+`EngineConfig` and `FairnessConfig`, the loop's `WorkerOptions`, which validate what is
+theirs). Only the model's settings and `prefix_cache` are read from the environment
+(docs/operations.md); the rest are flags.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+
+from tokenfleet.config.common import Env, Flag, Settings
+
+
+class WorkerSettings(Settings):
+    """One worker process."""
+
+    # ---- the model -----------------------------------------------------------------
+    model: Annotated[
+        str,
+        Env("TOKENFLEET_MODEL"),
+        Flag("--model"),
+        Field(description="preset (tiny-random) or checkpoint folder"),
+    ] = "tiny-random"
+    model_name: Annotated[
+        str | None,
+        Flag("--model-name"),
+        Field(description="jobs naming this model are served (none: the default stream)"),
+    ] = None
+    device: Annotated[
+        str,
+        Env("TOKENFLEET_DEVICE"),
+        Flag("--device"),
+        Field(description="cpu, cuda, cuda:N or auto (cuda where available)"),
+    ] = "auto"
+    dtype: Annotated[
+        str,
+        Env("TOKENFLEET_DTYPE"),
+        Flag("--dtype"),
+        Field(
+            description="auto (bfloat16 where the hardware has it), float32, bfloat16 or float16"
+        ),
+    ] = "auto"
+    quant: Annotated[
+        str | None,
+        Env("TOKENFLEET_QUANT"),
+        Flag("--quant"),
+        Field(description="int8 or int4: keep the weights quantized (CPU); none: dense"),
+    ] = None
+    compile: Annotated[
+        bool | None,
+        Env("TOKENFLEET_COMPILE"),
+        Flag("--compile/--no-compile"),
+        Field(
+            description="compile the forward's row-wise parts at start; unset: only with "
+            "--quant (where it was measured faster)"
+        ),
+    ] = None
+
+    # ---- the engine's budget (EngineConfig, FairnessConfig) ------------------------
+    prefix_cache: Annotated[
+        bool,
+        Env("TOKENFLEET_PREFIX_CACHE"),
+        Flag("--prefix-cache/--no-prefix-cache"),
+        Field(description="share full KV blocks between jobs with the same prefix"),
+    ] = True
+    kv_mb: Annotated[int, Flag("--kv-mb"), Field(description="KV cache budget, MiB")] = 256
+    max_batch: Annotated[
+        int, Flag("--max-batch"), Field(description="decode sessions per tick")
+    ] = 32
+    max_active: Annotated[int, Flag("--max-active"), Field(description="sessions holding KV")] = 64
+    prefill_tokens: Annotated[
+        int, Flag("--prefill-tokens"), Field(description="prefill tokens per tick")
+    ] = 256
+    max_waiting: Annotated[int, Flag("--max-waiting"), Field(description="local waiting list")] = 4
+    band_share: Annotated[
+        float,
+        Flag("--band-share"),
+        Field(
+            description="each lower priority band's least share of the tokens this worker "
+            "generates while it has jobs here"
+        ),
+    ] = 1 / 16
+    hold_s: Annotated[
+        float,
+        Flag("--hold-s"),
+        Field(description="a job waiting here this long without starting goes back to its stream"),
+    ] = 10.0
+
+    # ---- the loop (WorkerOptions) and the process ----------------------------------
+    name: Annotated[
+        str | None, Flag("--name"), Field(description="worker name (unique; none: generated)")
+    ] = None
+    burst: Annotated[
+        bool,
+        Flag("--burst"),
+        Field(description="exit 0 once the stream is empty and nothing runs"),
+    ] = False
+    max_deliveries: Annotated[
+        int,
+        Flag("--max-deliveries"),
+        Field(description="a job delivered more often goes to the dead letters"),
+    ] = 3
+    drain_timeout: Annotated[
+        float,
+        Flag("--drain-timeout"),
+        Field(description="seconds the jobs in flight get to finish after a SIGTERM"),
+    ] = 30.0
+    overlap: Annotated[
+        bool,
+        Flag("--overlap/--no-overlap"),
+        Field(description="read each tick's Redis replies after the next forward pass"),
+    ] = True
+    threads: Annotated[
+        int | None,
+        Flag("--threads"),
+        Field(description="torch CPU threads, kept; none: fitted to the cores left free"),
+    ] = None
+    metrics_port: Annotated[
+        int | None, Flag("--metrics-port"), Field(description="serve Prometheus metrics here")
+    ] = None
+    fault_key: Annotated[
+        str | None,
+        Flag("--inject-fault-on-metadata", hidden=True),
+        Field(description="tests only: fail the forward of jobs whose metadata has this key"),
+    ] = None
+    verbose: Annotated[bool, Flag("--verbose", "-v"), Field(description="log at INFO")] = False
+
+    @field_validator("quant")
+    @classmethod
+    def _none_is_dense(cls, quant: str | None) -> str | None:
+        return None if quant in (None, "", "none") else quant
