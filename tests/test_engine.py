@@ -134,7 +134,6 @@ def test_decode_comes_before_prefill_in_one_tick(tiny: LoadedModel) -> None:
     plan = engine.scheduler.schedule()
     assert [d.seq.session_id for d in plan.decode] == ["a"]
     assert [(c.seq.session_id, c.start, c.length) for c in plan.prefill] == [("b", 0, 4)]
-    engine.scheduler.discard_tick(plan)
 
 
 def test_every_admission_reason_is_reachable_and_explained(tiny: LoadedModel) -> None:

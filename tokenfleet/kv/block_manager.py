@@ -1,6 +1,7 @@
 """Block allocator: whole-session reservations, lazy allocation, shared prefix blocks.
 
-Sessions are never evicted mid-generation, so a session is admitted only if its whole
+A session never runs out of KV mid-generation (only the engine's preemption by band
+frees a running session's blocks, on purpose), so a session is admitted only if its whole
 worst case (prompt + max_new_tokens) can be *reserved* up front. Physical blocks are
 handed out lazily by `ensure` as tokens arrive, so each session wastes at most one
 partly filled block, and a session that stops early never touched the rest of its
