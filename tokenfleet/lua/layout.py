@@ -30,6 +30,7 @@ import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Any, ClassVar, TypeAlias
 
 Step = tuple[str, str]  # (field name, mark): mark '' one value, '[]' a list, '?' optional
@@ -99,30 +100,55 @@ def _get(value: Any, steps: Path) -> Any:
 def flatten(value: Any, paths: Sequence[str]) -> list[Any]:
     """The values `paths` name in `value`, in order; bools as '1' / '0'."""
     out: list[Any] = []
-    _flatten(value, [parse(p) for p in paths], out)
+    _flatten(value, _plan(tuple(paths)), out)
     return out
 
 
-def _flatten(value: Any, paths: Sequence[Path], out: list[Any]) -> None:
-    for head, rest in _runs(paths):
-        target = _get(value, head)
-        if not rest:
+# A compiled walk: per run, its attribute names, its mark ('' a value, '?' optional,
+# '[]' a list) and the walk below it. Compiled once per layout: a tick builds a call
+# for every held job, every tick.
+_Walk: TypeAlias = tuple[tuple[tuple[str, ...], str, "_Walk"], ...]
+
+
+@cache
+def _plan(paths: tuple[str, ...]) -> _Walk:
+    return _compile([parse(p) for p in paths])
+
+
+def _compile(paths: Sequence[Path]) -> _Walk:
+    return tuple(
+        (tuple(name for name, _ in head), head[-1][1] if rest else "", _compile(rest))
+        for head, rest in _runs(paths)
+    )
+
+
+def _flatten(value: Any, walk: _Walk, out: list[Any]) -> None:
+    for names, mark, below in walk:
+        target = value
+        for name in names:
+            target = getattr(target, name)
+        if not mark:
             out.append(("1" if target else "0") if isinstance(target, bool) else target)
-        elif head[-1][1] == "?":
+        elif mark == "?":
             if target is not None:
-                _flatten(target, rest, out)
+                _flatten(target, below, out)
         else:
             for item in target:
-                _flatten(item, rest, out)
+                _flatten(item, below, out)
 
 
 def top_lists(value: Any, paths: Sequence[str]) -> list[tuple[str, int]]:
     """(path, length) of every list at the top of `paths` (through plain fields only)."""
-    out = []
-    for head, rest in _runs([parse(p) for p in paths]):
-        if rest and head[-1][1] == "[]" and all(mark == "" for _, mark in head[:-1]):
-            out.append((_text(head), len(_get(value, head))))
-    return out
+    return [(text, len(_get(value, head))) for text, head in _top_heads(tuple(paths))]
+
+
+@cache
+def _top_heads(paths: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
+    return tuple(
+        (_text(head), head)
+        for head, rest in _runs([parse(p) for p in paths])
+        if rest and head[-1][1] == "[]" and all(mark == "" for _, mark in head[:-1])
+    )
 
 
 class ScriptCall:
