@@ -301,7 +301,7 @@ def test_lease_is_held_renewed_and_released_by_its_owner_only(r: redis.Redis) ->
     assert lease("a", "release") and lease("b", "take")
 
 
-# --- the calls fill the slots exactly as worker/queue.py does today ------------------
+# --- worker/queue.py maps a held job onto the calls' fields as the headers say -----
 
 
 def _sent(pipe: redis.client.Pipeline) -> tuple[list[object], list[object]]:

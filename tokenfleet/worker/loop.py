@@ -64,7 +64,9 @@ from tokenfleet.redis_errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.intake import Held, Intake
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.queue import PullAsk, RoundTrip, TickVerdict, WorkerQueue
+from tokenfleet.worker.queue import PullAsk, RoundTrip, TickReply, TickVerdict, WorkerQueue
+from tokenfleet.worker.recovery import Delivery
+from tokenfleet.worker.session import Finished
 
 log = logging.getLogger("tokenfleet.worker")
 T = TypeVar("T")
@@ -100,7 +102,7 @@ class _Sent:
 
     trip: RoundTrip
     held: list[Held]
-    errors: list[Any]
+    errors: list[Finished | None]
 
 
 class Worker:
@@ -121,7 +123,7 @@ class Worker:
         self.intake = Intake(
             engine, self.queue, self.held, max_deliveries=options.max_deliveries, metrics=metrics
         )
-        self.prefetched: list[Any] = []  # deliveries read with the last publish, not admitted
+        self.prefetched: list[Delivery] = []  # deliveries read with the last publish, not admitted
         self.in_flight: _Sent | None = None  # sent, replies not read yet
         self.draining = False
         self.stop_now = False
@@ -388,7 +390,7 @@ class Worker:
         if replies.failures:
             raise replies.failures[0]
 
-    def _apply(self, sent: _Sent, verdicts: list[Any]) -> None:
+    def _apply(self, sent: _Sent, verdicts: list[TickReply]) -> None:
         for job, error, reply in zip(sent.held, sent.errors, verdicts, strict=True):
             job.outbox.confirm(reply.next_index)
             if reply.verdict is TickVerdict.LOST:
