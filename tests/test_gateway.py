@@ -195,7 +195,7 @@ def test_limits_and_bad_bodies_are_400_naming_the_problem(env: Env) -> None:
             "prompt",
             "MAX_PROMPT_CHARS",
         ),
-        ({"model": "default", "prompt": "hi", "n": 2}, "n", "only n=1"),
+        ({"model": "default", "prompt": "hi", "n": 17}, "n", "MAX_N=16"),  # test_gateway_n
         ({"model": "default", "prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
         ({"model": "default", "prompt": "hi", "frobnicate": 1}, "frobnicate", "not permitted"),
         ({"model": "default"}, "prompt", "required"),

@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lua", "protocol", "fleet", "kv"),  # the wire, the fleet's view, KV bookkeeping
     ("seam", "admission", "acl", "tenants", "config"),  # contracts, budgets, settings
     ("model",),  # torch models and the torch runner (implements the seam)
-    ("grammar", "producer", "status", "local"),  # structured output, clients
+    ("grammar", "tools", "producer", "status", "local"),  # structured output, tools, clients
     ("openai", "deadletters", "worker"),  # OpenAI shapes (no web framework), the worker
     ("batch", "demo", "integrations"),  # the Batch API's runner and store, the demo
     ("gateway",),  # the HTTP front

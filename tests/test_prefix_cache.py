@@ -142,8 +142,9 @@ def test_jobs_admitted_together_find_the_blocks_the_first_one_computed(
     assert on == off
     stats = eng.blocks.stats
     assert stats.queries_tokens == sum(len(j.prompt_ids or []) for j in jobs)
-    # jobs 1 and 2 start in tick 2, when job 0 has 3 blocks computed; 3-5 later, with 4
-    assert stats.hits_blocks == 3 + 3 + 4 * 3
+    # in tick 2 job 0 computes its 4th block: the others wait for it rather than compute
+    # it beside job 0 (tests/test_prefix_fork.py), so each finds all 4
+    assert stats.hits_blocks == 5 * 4
     assert_pool_whole(eng)
 
 

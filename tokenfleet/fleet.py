@@ -181,6 +181,16 @@ class ServedModel:
         return {}
 
     @property
+    def tool_format(self) -> str | None:
+        """How the model writes tool calls (tokenfleet.tools.ToolFormat), as its workers
+        advertise it; None when none says."""
+        for w in self.workers:
+            value = w.fields.get("tool_format")
+            if isinstance(value, str) and value:
+                return value
+        return None
+
+    @property
     def checkpoints(self) -> list[str]:
         return sorted({w.checkpoint for w in self.workers if w.checkpoint})
 

@@ -35,6 +35,7 @@ EVENTS_MAXLEN = 10_000  # replay stream entries kept (≥ MAX_NEW_TOKENS + 1)
 CANCEL_TTL_S = 24 * 3600  # cancel flag
 WORKER_TTL_S = 5  # worker hash = heartbeat: a worker silent this long is presumed dead
 DEAD_LETTERS_MAXLEN = 100_000  # dead-letter stream, approximately trimmed (oldest go first)
+RESPONSE_TTL_S = 24 * 3600  # a stored Responses API response, from when it is stored
 
 # No ":" in job ids: per-job keys append ":suffix" to the id, so ids can't collide.
 JOB_ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
@@ -235,3 +236,10 @@ class Keys:
     def open_batches(self) -> str:
         """Set: the batches not finished yet (what every gateway's driver looks at)."""
         return f"{self.prefix}batches:open"
+
+    # --- the Responses API's stored responses (gateway/response_store.py) ------------
+    def response(self, response_id: str) -> str:
+        """String: a finished response (JSON: the Response object, the conversation it
+        ended, its owning tenant). EX `GatewayConfig.response_ttl_s` (RESPONSE_TTL_S by
+        default), from when it was stored; ids are the store's (`resp_JOBID`)."""
+        return f"{self.prefix}response:{response_id}"

@@ -19,7 +19,16 @@ from enum import StrEnum
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.keys import (
@@ -50,6 +59,12 @@ MAX_METADATA_VALUE_CHARS = 1024
 MAX_CACHE_SALT_CHARS = 256
 MAX_GRAMMAR_CHARS = 64 * 1024  # a structured-output schema, regex or grammar
 MAX_SEED = 2**63 - 1
+MAX_LOGIT_BIAS = 300  # logit_bias entries per job (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
+MAX_TOOLS = 128  # functions per job, and tool calls per assistant message
+MAX_TOOL_CALL_ID_CHARS = 64
+
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"  # OpenAI's function names (and '.')
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 
@@ -80,6 +95,16 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+# SamplingParams fields left out of its encoding at these values (they mean "off")
+_SAMPLING_OFF: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "logit_bias": {},
+    "logprobs": None,
+}
+
+
 class SamplingParams(_Message):
     """temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off. A value
     left unset (None) is the model's own default (its generation_config.json), and
@@ -91,15 +116,102 @@ class SamplingParams(_Message):
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    # Penalties and bias (their defaults are off), applied to the logits before
+    # temperature and filters: docs/protocol.md has the formulas.
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    # token id (decimal text, as OpenAI's) -> bias added to its logit
+    logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
+    # None: no logprobs; 0: each token's own; k: and the k most likely (TokenEvent.logprobs)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_entries(cls, value: dict[str, float]) -> dict[str, float]:
+        for key, bias in value.items():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key!r}] is {bias}, outside [-100, 100]")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The penalties, bias and logprobs only when set: a job using none of them
+        encodes as it did before they existed."""
+        out: dict[str, Any] = handler(self)
+        for name, off in _SAMPLING_OFF.items():
+            if name in out and out[name] == off:
+                del out[name]
+        return out
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs, by id."""
+        return tuple(sorted((int(k), float(b)) for k, b in self.logit_bias.items()))
+
+
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+
+
+class ToolCall(_Message):
+    """A function call the model made: `arguments` is the JSON text of its arguments
+    (OpenAI's shape). `id` pairs it with the `tool` message that answers it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    name: ToolName
+    arguments: str = Field(max_length=MAX_MESSAGE_CHARS)
 
 
 class ChatMessage(_Message):
-    """One chat turn; the worker renders `messages` with its model's chat template."""
+    """One chat turn; the worker renders `messages` with its model's chat template.
+    An assistant turn may carry the `tool_calls` it made (its content then often empty);
+    a `tool` turn answers the call `tool_call_id`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     role: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
     content: str = Field(max_length=MAX_MESSAGE_CHARS)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=MAX_TOOL_CALL_ID_CHARS)
+    name: str | None = Field(default=None, max_length=64)
+
+
+class FunctionTool(_Message):
+    """A function the model may call: `parameters` is its arguments' JSON schema, as JSON
+    text (an object schema; `{}` when the function takes any object)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: ToolName
+    description: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)
+    parameters: str = Field(default="{}", max_length=MAX_GRAMMAR_CHARS)
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, value: str) -> str:
+        try:
+            schema = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"parameters is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("parameters must be a JSON schema object")
+        return value
+
+
+class NamedTool(_Message):
+    """`tool_choice` naming one function: the model must call it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: ToolName
+
+
+# none: never call (the tools still reach the template); auto: the model decides, and a
+# call it opens is held to its schema; required: at least one call, to any tool.
+ToolChoice = Literal["none", "auto", "required"] | NamedTool
 
 
 class Structured(_Message):
@@ -148,6 +260,11 @@ class GenerationRequest(_Message):
     # too): a tenant that must not learn from cache timing sends a secret of its own.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     structured: Structured | None = None  # constrain the output (JSON schema, regex, ...)
+    # Functions the model may call (chat jobs): rendered through the chat template, the
+    # calls held to their schemas by a grammar (tokenfleet.tools).
+    tools: list[FunctionTool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True  # may one answer call several functions
     # Which band the job waits in: workers fleet-wide pull interactive before default
     # before batch (with a starvation guard), and start it ahead of lower bands locally.
     priority: Priority = "default"  # its band (keys.BANDS): the stream it waits in
@@ -177,6 +294,27 @@ class GenerationRequest(_Message):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tools_usable(self) -> GenerationRequest:
+        if self.tools is None:
+            if self.tool_choice not in ("none", "auto"):
+                raise ValueError("tool_choice asks for a call but no tools are given")
+            return self
+        if self.messages is None:
+            raise ValueError("tools need a chat job (messages)")
+        names = [t.name for t in self.tools]
+        if len(set(names)) != len(names):
+            raise ValueError("two tools have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedTool) and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
+        if self.structured is not None and choice != "none":
+            raise ValueError(
+                "a structured output and tools that may be called cannot be combined: "
+                "give tool_choice 'none', or describe the output as a tool"
+            )
+        return self
+
 
 class Usage(_Message):
     prompt_tokens: int = Field(default=0, ge=0)
@@ -200,8 +338,24 @@ class ErrorInfo(_Message):
     message: str = Field(max_length=4096)
 
 
+TopLogprob = tuple[TokenId, float, str]  # (token id, logprob, the token's own text)
+
+
+class TokenLogprob(_Message):
+    """A sampled token's logprob, its own text (`tokenizer.decode([id])`, which can differ
+    from the event's `text` delta) and the `sampling.logprobs` most likely tokens, best
+    first: log-softmax of the raw model logits (before penalties, bias, grammar mask,
+    temperature and filters)."""
+
+    logprob: float
+    token: str = ""
+    top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
+
+
 class TokenEvent(_Message):
-    """One generated token. `index` counts from 0 per job; `text` is a UTF-8-safe delta."""
+    """One generated token. `index` counts from 0 per job; `text` is a UTF-8-safe delta.
+    `logprobs` only when the job asked for them (`sampling.logprobs`); absent on the wire
+    otherwise."""
 
     v: Literal[1] = SCHEMA_VERSION
     type: Literal["token"] = "token"
@@ -209,6 +363,14 @@ class TokenEvent(_Message):
     index: int = Field(ge=0)
     token_id: TokenId
     text: str = ""
+    logprobs: TokenLogprob | None = None
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("logprobs", 0) is None:
+            del out["logprobs"]
+        return out
 
 
 class FinishEvent(_Message):
@@ -239,6 +401,17 @@ class JobResult(_Message):
     timings: Timings = Field(default_factory=Timings)
     error: ErrorInfo | None = None
     worker: str | None = None
+    # one per token_ids entry when the job asked for them (sampling.logprobs); absent
+    # on the wire otherwise, and for a job another worker resumed (its events in the
+    # replay stream carry them all the same).
+    logprobs: list[TokenLogprob] | None = None
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out: dict[str, Any] = handler(self)
+        if out.get("logprobs", 0) is None:
+            del out["logprobs"]
+        return out
 
 
 class _EventEnvelope(BaseModel):

@@ -4,6 +4,10 @@
     tokens = runner.execute(plan, sampling)              # every tick: one sampled token
     runner.release(session_id)                           #   per plan.sampling_ids entry
 
+`execute` returns a plain `list[int]`, or a `Sampled` (the same tokens plus their
+logprobs) when a session of the tick asked for logprobs (`ResolvedSampling.logprobs`);
+a runner that never computes logprobs always returns the list.
+
 The engine (admission, scheduling, job lifecycle) holds no torch and no model:
 everything it knows about one comes from `ModelSpec` and `scratch_bytes`, and
 everything it asks of one is `execute`. `TorchRunner` (`tokenfleet.model.torch_runner`)
@@ -25,6 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenfleet.kv import KVLayout
+from tokenfleet.protocol import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     from tokenfleet.model.tokenizer import Tokenizer
@@ -32,12 +37,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ResolvedSampling:
-    """How one session picks its tokens: validated once, when the job is read."""
+    """How one session picks its tokens: validated once, when the job is read.
+
+    Penalties and bias adjust the session's logits row before temperature, top-k and
+    top-p (`tokenfleet.model.penalties`); their defaults switch them off. `logprobs`
+    asks the runner for the sampled token's logprob (0) and the k best (k > 0)."""
 
     temperature: float = 0.0  # 0 = greedy argmax
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1 = no nucleus filter
     seed: int = 0
+    presence_penalty: float = 0.0  # OpenAI's, over generated tokens; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI's, over generated tokens; 0 = off
+    repetition_penalty: float = 1.0  # vLLM's (CTRL), over prompt + generated; 1 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None  # None: none computed; 0: the sampled token's; k: top k too
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:  # also rejects NaN
@@ -46,6 +60,26 @@ class ResolvedSampling:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 100:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries, limit {MAX_LOGIT_BIAS}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise ValueError(
+                    f"logit_bias {token}: {bias} is not a token id and a bias in [-100, 100]"
+                )
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     @classmethod
     def create(
@@ -53,6 +87,16 @@ class ResolvedSampling:
     ) -> ResolvedSampling:
         """Validated parameters; a random seed when `seed` is None."""
         return cls(temperature, top_k, top_p, secrets.randbits(63) if seed is None else seed)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
 
 @dataclass(frozen=True)
@@ -135,6 +179,23 @@ class TokenMasks(Protocol):
     def get(self, session_id: str) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled position's logprobs: log-softmax of the raw model logits (before
+    penalties, bias, grammar mask, temperature and filters, as OpenAI and vLLM report)."""
+
+    logprob: float  # the sampled token's
+    top: tuple[tuple[int, float], ...] = ()  # the k best (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """`execute`'s answer when some session asked for logprobs."""
+
+    tokens: list[int]  # one per plan.sampling_ids entry
+    logprobs: list[TokenLogprobs | None]  # the same positions; None: that session asked none
+
+
 class ModelRunner(Protocol):
     """A model the engine can run: see the module docstring for the call sequence."""
 
@@ -156,12 +217,14 @@ class ModelRunner(Protocol):
         plan: TickPlan,
         sampling: Mapping[str, ResolvedSampling],
         masks: TokenMasks | None = None,
-    ) -> list[int]:
+    ) -> list[int] | Sampled:
         """Run one tick: write every planned token's K/V and return one sampled token per
         `plan.sampling_ids` entry, in that order. `sampling` holds those sessions'
         parameters; `masks` (structured output), the allowed tokens of some of them, as
         a bitmask (bit i of 32-bit word i // 32: token i), passed only when there are
-        any. Raising means no token of this plan was sampled."""
+        any. A `Sampled` carries the logprobs of the sessions whose `logprobs` is set
+        (a plain list is fine when none is). Raising means no token of this plan was
+        sampled."""
 
     def release(self, session_id: str) -> None:
         """Forget a session that ended or moved away (a no-op for one never executed)."""

@@ -264,10 +264,15 @@ class Run:
         raws = await self.producer.redis.mget(keys)
         ended: dict[int, dict[str, Any]] = {}
         counts = doc["request_counts"]
+        view = await self._view()
         for index, raw in zip(pending, raws, strict=True):
             if raw is None:
                 continue
-            line, ok = result_line(self.id, self.lines[index], decode_result(raw), stopped)
+            body = self.lines[index].body
+            served = view.models.get(body.model) if body is not None else None
+            line, ok = result_line(
+                self.id, self.lines[index], decode_result(raw), stopped, served
+            )
             ended[index] = line
             counts["completed" if ok else "failed"] += 1
         await self.store.put_results(self.id, ended)

@@ -47,7 +47,7 @@ from tokenfleet.openai.models import (
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.openai.render import Renderer
+from tokenfleet.openai.render import Renderer, reads_calls
 from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, Priority
 from tokenfleet.reasons import FinishReason
 
@@ -259,11 +259,16 @@ def request_id(batch_id: str, index: int) -> str:
 
 
 def result_line(
-    batch_id: str, line: BatchLine, result: JobResult, stopped: BatchStop | None = None
+    batch_id: str,
+    line: BatchLine,
+    result: JobResult,
+    stopped: BatchStop | None = None,
+    served: ServedModel | None = None,
 ) -> tuple[dict[str, Any], bool]:
     """The output line of a finished job (and True), or its error line (and False).
     `stopped`: the batch is being cancelled or expired, so a cancelled job is one its
-    stop cut short (else someone cancelled the job itself)."""
+    stop cut short (else someone cancelled the job itself). `served`: the model's live
+    workers, which say how it writes tool calls."""
     rid = request_id(batch_id, line.index)
     if result.finish_reason in (FinishReason.REJECTED, FinishReason.ERROR):
         api = from_finish(_finish_event(result), retry_after_s=1)
@@ -280,8 +285,14 @@ def result_line(
     if result.finish_reason not in SUCCESS:
         return _unfinished_line(batch_id, line, result, stopped), False
     assert line.body is not None
-    out = Renderer(line.kind, result.job_id, line.body.model, int(time.time()))
-    body = out.body(result.text, _finish_event(result)).model_dump(mode="json")
+    out = Renderer(
+        line.kind,
+        result.job_id,
+        line.body.model,
+        int(time.time()),
+        **reads_calls(line.body, served),
+    )
+    body = out.body(result.text, _finish_event(result), result.logprobs).model_dump(mode="json")
     return {
         "id": rid,
         "custom_id": line.custom_id,

@@ -205,7 +205,10 @@ class _Run:
             if raw is None:
                 continue
             result = decode_result(raw)
-            entry, ok = result_line(self.batch_id, self.out.pop(job_id), result)
+            line = self.out.pop(job_id)
+            model = line.body.model if line.body is not None else None
+            served = self.fleet().models.get(model) if model else None  # its tool format
+            entry, ok = result_line(self.batch_id, line, result, served=served)
             self.progress.tokens += result.usage.completion_tokens
             self.write(entry, ok)
 

@@ -113,6 +113,11 @@ class GatewayConfig(FleetConfig):
     cancel_retry_s: Annotated[
         float, Field(ge=0, description="how long a cancel that failed on Redis is retried")
     ] = 300.0
+    response_ttl_s: Annotated[
+        int,
+        Env("TOKENFLEET_GATEWAY_RESPONSE_TTL_S"),
+        Field(ge=1, description="how long a stored /v1/responses response is kept"),
+    ] = 24 * 3600  # keys.RESPONSE_TTL_S (not imported: `--help` stays fast)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from tokenfleet.batch.driver import BatchDriver, DriverConfig
 from tokenfleet.batch.store import BatchStore, NotFound
 from tokenfleet.config import GatewayConfig
+from tokenfleet.fleet import ServedModel
 from tokenfleet.gateway.auth import KeyCheck, parse_api_keys
 from tokenfleet.gateway.batches import not_found
 from tokenfleet.gateway.batches import router as batches_router
@@ -67,6 +68,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
     app.include_router(completion_routes(authed))
     app.include_router(fleet_routes(authed, metrics))
     app.include_router(batches_router(authed))
+    from tokenfleet.gateway.responses_api import router as responses_router
+
+    app.include_router(responses_router(authed))
     return app
 
 
@@ -166,12 +170,48 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(ApiError(400, "; ".join(problems), code="invalid_value"))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_request: Request, exc: HTTPException) -> Response:
-        return error_response(ApiError(exc.status_code, str(exc.detail), code=None))
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(routing_error(request, exc))
 
     @app.exception_handler(RedisError)
     async def redis_unavailable(_request: Request, exc: RedisError) -> Response:
         return error_response(redis_down(exc))
+
+
+def routing_error(request: Request, exc: HTTPException) -> ApiError:
+    """Starlette's 404 (no route matched) and 405 (the path did, not the method) as
+    OpenAI-style errors naming what was asked and what is served."""
+    asked = f"{request.method} {request.url.path}"
+    headers = dict(exc.headers or {})
+    if exc.status_code == 404:
+        served = ", ".join(served_routes(request.app))
+        return ApiError(404, f"no route {asked}; the gateway serves {served}", code="unknown_route")
+    if exc.status_code == 405:
+        allowed = headers.get("Allow", "")
+        return ApiError(
+            405,
+            f"method {request.method} is not allowed on {request.url.path}; allowed: {allowed}",
+            code="method_not_allowed",
+            headers=headers,
+        )
+    return ApiError(exc.status_code, str(exc.detail), headers=headers)
+
+
+def served_routes(app: FastAPI) -> list[str]:
+    """'METHOD /path' of every route, in the order they were added."""
+    return _routes(app.routes, "")
+
+
+def _routes(routes: Sequence[Any], prefix: str) -> list[str]:
+    out = []
+    for route in routes:
+        included = getattr(route, "original_router", None)  # an included router (FastAPI)
+        if included is not None:
+            out += _routes(included.routes, prefix + route.include_context.prefix)
+            continue
+        methods = sorted(set(getattr(route, "methods", None) or ()) - {"HEAD"})
+        out += [f"{method} {prefix}{getattr(route, 'path', '?')}" for method in methods]
+    return out
 
 
 # ---- routes ----------------------------------------------------------------------------
@@ -194,7 +234,30 @@ def completion_routes(authed: Sequence[Any]) -> APIRouter:
     async def chat_completions(request: Request) -> Response:
         return await gateway_of(request).generate(request, "chat")
 
+    @api.post("/v1/embeddings", response_model=None)
+    async def embeddings(request: Request) -> Response:
+        """Not a missing route but a missing capability: say so (OpenAI's clients would
+        read a 404 as a wrong base URL)."""
+        served = sorted((await gateway_of(request).fleet.read()).models)
+        raise ApiError(
+            400,
+            f"the fleet's models ({', '.join(served) or 'none live'}) generate text and "
+            "serve no embeddings: use /v1/completions or /v1/chat/completions",
+            param="model",
+            code="model_not_embedding",
+        )
+
     return api
+
+
+def model_card(served: ServedModel) -> ModelCard:
+    return ModelCard(
+        id=served.name,
+        created=served.created,
+        workers=len(served.workers),
+        checkpoints=served.checkpoints,
+        max_job_tokens=served.max_job_tokens,
+    )
 
 
 def fleet_routes(authed: Sequence[Any], metrics: GatewayMetrics) -> APIRouter:
@@ -205,18 +268,20 @@ def fleet_routes(authed: Sequence[Any], metrics: GatewayMetrics) -> APIRouter:
     @api.get("/v1/models", dependencies=list(authed))
     async def models(request: Request) -> ModelList:
         view = await gateway_of(request).fleet.read(fresh=True)
-        return ModelList(
-            data=[
-                ModelCard(
-                    id=m.name,
-                    created=m.created,
-                    workers=len(m.workers),
-                    checkpoints=m.checkpoints,
-                    max_job_tokens=m.max_job_tokens,
-                )
-                for m in view.models.values()
-            ]
-        )
+        return ModelList(data=[model_card(m) for m in view.models.values()])
+
+    @api.get("/v1/models/{model_id}", dependencies=list(authed))
+    async def model(request: Request, model_id: str) -> ModelCard:
+        served = (await gateway_of(request).fleet.read(fresh=True)).models
+        if model_id not in served:
+            raise ApiError(
+                404,
+                f"the model {model_id!r} is not served by any live worker; "
+                f"served: {', '.join(sorted(served)) or 'none'}",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card(served[model_id])
 
     @api.get("/health")
     async def health(request: Request) -> Response:

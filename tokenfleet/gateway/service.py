@@ -33,7 +33,10 @@ from starlette.responses import JSONResponse, Response
 from tokenfleet.config import GatewayConfig
 from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull, TenantQueueFull
 from tokenfleet.fleet import FleetReader, ServedModel
+from tokenfleet.gateway import fanout
 from tokenfleet.gateway.auth import ANONYMOUS, Caller, caller_of
+from tokenfleet.gateway.failures import CLIENT_GONE, job_lost
+from tokenfleet.gateway.failures import redis_down as redis_down  # app.py imports it here
 from tokenfleet.gateway.jobs import (
     Canceller,
     ClientGone,
@@ -42,17 +45,20 @@ from tokenfleet.gateway.jobs import (
     QueueTimeout,
 )
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
+from tokenfleet.gateway.output import Output, OutputFactory, Rendered
 from tokenfleet.gateway.subscriber import Subscriber
 from tokenfleet.keys import DEFAULT_MODEL, Keys
 from tokenfleet.openai.errors import ApiError, from_finish, from_queue_full, from_validation
+from tokenfleet.openai.fields import IGNORED_HEADER, ignored_fields
 from tokenfleet.openai.models import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    FAN_OUT,
     SERVICE_TIER_OF,
     ChatCompletionRequest,
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.openai.render import DONE, KEEPALIVE, Renderer
+from tokenfleet.openai.render import KEEPALIVE, reads_calls
 from tokenfleet.producer import AsyncProducer
 from tokenfleet.protocol import (
     MODEL_NAME_PATTERN,
@@ -61,11 +67,9 @@ from tokenfleet.protocol import (
     TokenEvent,
 )
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, FinishReason
-from tokenfleet.redis_errors import RedisFault, fault_of
 
 Kind = Literal["completions", "chat"]
 log = logging.getLogger(__name__)
-CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 
 
 class Gateway:
@@ -93,6 +97,21 @@ class Gateway:
     async def generate(self, request: Request, kind: Kind) -> Response:
         arrived = time.monotonic()
         parsed = _parse(kind, await request.body())
+        if fanout.fans_out(parsed):  # n > 1 or several prompts: one job per choice
+            return await fanout.serve_choices(self, request, parsed, kind, arrived)
+        return await self.serve(request, parsed, kind, arrived)
+
+    async def serve(
+        self,
+        request: Request,
+        parsed: CompletionRequest | ChatCompletionRequest,
+        kind: Kind,
+        arrived: float,
+        output: OutputFactory | None = None,
+    ) -> Response:
+        """One parsed request as one job, shown by `output` (completions and chat: the
+        OpenAI bodies and chunks; the Responses API translates its request into a chat
+        request and shows the job its own way)."""
         served = await self._route(parsed.model)
         job = self._job(parsed, kind, self._max_tokens(parsed, served), served, caller_of(request))
         handle = self.producer.handle(job.job_id)
@@ -112,10 +131,30 @@ class Gateway:
                 await events.close(cancel=False)
             raise
         tally = RequestTally(self.metrics, parsed.model, arrived)
-        out = Renderer(
-            kind, handle.id, parsed.model, int(time.time()), SERVICE_TIER_OF[job.priority]
+        tier = SERVICE_TIER_OF[job.priority]
+        out = (
+            output(handle.id, tier)
+            if output is not None
+            else Rendered(
+                kind,
+                handle.id,
+                parsed.model,
+                int(time.time()),
+                tier,
+                **reads_calls(parsed, served),
+            )
         )
         headers = {"X-Tokenfleet-Job-Id": handle.id}
+        ignored = ignored_fields(parsed)
+        if ignored:  # accepted, not acted on: the client hears of it, and so does the log
+            headers[IGNORED_HEADER] = ", ".join(ignored)
+            log.warning(
+                "%s %s: ignored fields %s (job %s)",
+                request.method,
+                request.url.path,
+                ", ".join(ignored),
+                handle.id,
+            )
 
         async def close() -> None:
             """Always run, shielded: a job whose client is gone (or that timed out in the
@@ -131,7 +170,7 @@ class Gateway:
             response.headers.update(headers)
             return response
         try:
-            text = await self._collect(events, tally)
+            tokens = await self._collect(events, tally)
         except ClientGone:
             await close()
             return Response(status_code=CLIENT_GONE)
@@ -148,7 +187,7 @@ class Gateway:
             raise
         await close()
         assert events.finish is not None
-        return JSONResponse(out.body(text, events.finish).model_dump(mode="json"), headers=headers)
+        return JSONResponse(await _answer(out, tokens, events.finish), headers=headers)
 
     def _queue_timeout(self, timeout_s: float, model: str) -> ApiError:
         self.metrics.queue_timeouts.labels(model).inc()
@@ -277,22 +316,22 @@ class Gateway:
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
 
-    async def _collect(self, events: JobEvents, tally: RequestTally) -> str:
-        parts: list[str] = []
+    async def _collect(self, events: JobEvents, tally: RequestTally) -> list[TokenEvent]:
+        parts: list[TokenEvent] = []
         while True:
             event = await events.next()
             assert event is not None  # no timeout given
             if isinstance(event, FinishEvent):
                 break
             tally.token(streamed=False)
-            parts.append(event.text)
+            parts.append(event)
         failure = self._failure(event, tally.model, tokens_seen=bool(parts))
         if failure is not None:
             raise failure
-        return "".join(parts)
+        return parts
 
     async def _stream(
-        self, events: JobEvents, out: Renderer, usage: bool, tally: RequestTally
+        self, events: JobEvents, out: Output, usage: bool, tally: RequestTally
     ) -> AsyncIterator[bytes]:
         """The SSE body. The status line is sent already: failures become an error event
         (then `data: [DONE]`); silences of `keepalive_s`, a keep-alive comment."""
@@ -303,18 +342,18 @@ class Gateway:
             except ClientGone:
                 return
             except QueueTimeout as exc:
-                yield self._queue_timeout(exc.timeout_s, tally.model).sse() + DONE
+                yield await out.failed(self._queue_timeout(exc.timeout_s, tally.model))
                 return
             except JobLost as exc:
-                yield job_lost(exc).sse() + DONE
+                yield await out.failed(job_lost(exc))
                 return
             except RedisError as exc:
-                yield redis_down(exc).sse() + DONE
+                yield await out.failed(redis_down(exc))
                 return
             except Exception as exc:
                 log.exception("reading job %s failed", out.job_id)
                 error = ApiError(500, f"reading the job failed: {exc}", type="server_error")
-                yield error.sse() + DONE
+                yield await out.failed(error)
                 return
             if event is None:
                 yield KEEPALIVE
@@ -323,15 +362,34 @@ class Gateway:
                 tally.token(streamed=True)
                 head = b"" if opened else out.opening()
                 opened = True
-                if event.text or head:
-                    yield head + (out.delta(event.text) if event.text else b"")
+                chunk = _chunk(out, event)
+                if chunk or head:
+                    yield head + chunk
                 continue
             failure = self._failure(event, tally.model, tokens_seen=opened)
             if failure is not None:
-                yield failure.sse() + DONE
+                yield await out.failed(failure)
             else:
-                yield (b"" if opened else out.opening()) + out.closing(event, usage)
+                yield (b"" if opened else out.opening()) + await out.ended(event, usage)
             return
+
+
+def _chunk(out: Output, event: TokenEvent) -> bytes:
+    """A token's bytes: with its logprobs when the job asked for them (completions and
+    chat completions render them; other outputs show the text alone)."""
+    if event.logprobs is not None and isinstance(out, Rendered):
+        return out.token(event)
+    return out.delta(event.text) if event.text else b""
+
+
+async def _answer(out: Output, tokens: list[TokenEvent], finish: FinishEvent) -> dict[str, Any]:
+    """The non-streamed body; completions and chat completions carry the tokens' logprobs
+    when the job asked for them."""
+    text = "".join(e.text for e in tokens)
+    logprobs = [e.logprobs for e in tokens if e.logprobs is not None]
+    if isinstance(out, Rendered) and tokens and len(logprobs) == len(tokens):
+        return out.body(text, finish, logprobs).model_dump(mode="json")
+    return await out.answer(text, finish)
 
 
 _FAILED = (FinishReason.REJECTED, FinishReason.ERROR)
@@ -339,39 +397,7 @@ _FAILED = (FinishReason.REJECTED, FinishReason.ERROR)
 
 def _parse(kind: Kind, body: bytes) -> CompletionRequest | ChatCompletionRequest:
     try:
-        if kind == "chat":
-            return ChatCompletionRequest.model_validate_json(body)
-        return CompletionRequest.model_validate_json(body)
+        model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+        return model.model_validate_json(body, context={FAN_OUT: True})  # gateway/fanout.py
     except ValidationError as exc:
         raise from_validation(exc) from None
-
-
-def job_lost(exc: JobLost) -> ApiError:
-    return ApiError(503, str(exc), type="server_error", code="job_lost")
-
-
-def redis_down(exc: RedisError) -> ApiError:
-    """A Redis failure as the client should see it: refused credentials or a missing ACL
-    permission are the operator's to fix (500, named), not an outage to retry (503)."""
-    fault = fault_of(exc)
-    if fault is not None and fault.refused:
-        return ApiError(
-            500,
-            f"the gateway's Redis user was refused: {exc}"
-            " (see docs/operations.md, 'Least privilege')",
-            type="server_error",
-            code="redis_forbidden",
-        )
-    if fault is RedisFault.OOM:
-        return ApiError(
-            503,
-            f"the fleet's Redis is out of memory: {exc}",
-            type="server_error",
-            code="redis_out_of_memory",
-        )
-    return ApiError(
-        503,
-        f"the fleet's Redis is unavailable: {exc}",
-        type="server_error",
-        code="redis_unavailable",
-    )

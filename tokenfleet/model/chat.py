@@ -3,7 +3,7 @@ Hugging Face `tokenizer_config.json`), in a sandbox: templates come with checkpo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -34,8 +34,13 @@ def _compile(source: str) -> Any:
     return env.from_string(source)
 
 
-def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, str]]) -> str:
-    """The prompt text for `messages`, ending with the assistant's turn opened."""
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> str:
+    """The prompt text for `messages`, ending with the assistant's turn opened; `tools`
+    (OpenAI's shape) for a template that renders them (tokenfleet.tools.chat_input)."""
     source = tokenizer.chat_template
     if source is None:
         raise ChatTemplateError(
@@ -44,7 +49,11 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict[str, str]]) -> str
     try:
         return str(
             _compile(source).render(
-                messages=list(messages), add_generation_prompt=True, bos_token="", eos_token=""
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=True,
+                bos_token="",
+                eos_token="",
             )
         )
     except TemplateError as exc:

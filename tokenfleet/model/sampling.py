@@ -6,6 +6,10 @@ CDF sampling), and all filtering is row-wise, so a request's tokens depend only
 on its logits and its seed: never on what else shares the batch or the order of
 rows. Greedy rows (temperature 0) draw nothing. One draw per token also makes a
 seeded stream resumable: `from_params(..., draws=n)` continues after n tokens.
+
+A session with penalties or a logit bias (`penalties.py`) has its row adjusted first,
+before temperature and filters (greedy rows too); a batch where no session has any
+pays nothing for them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from tokenfleet.model.penalties import Penalties
 from tokenfleet.seam import ResolvedSampling
 
 
@@ -29,6 +34,7 @@ class SamplingState:
     seed: int = 0
     draws: int = 0  # uniforms taken from the stream so far
     generator: torch.Generator = field(default_factory=torch.Generator, repr=False)
+    penalties: Penalties | None = None  # None: the session uses none
 
     @classmethod
     def from_params(
@@ -54,7 +60,7 @@ class SamplingState:
         generator = torch.Generator(device="cpu")
         generator.manual_seed(params.seed)
         p = params
-        state = cls(p.temperature, p.top_k, p.top_p, p.seed, 0, generator)
+        state = cls(p.temperature, p.top_k, p.top_p, p.seed, 0, generator, Penalties.of(p))
         for _ in range(draws):
             state.next_uniform()
         return state
@@ -79,6 +85,8 @@ class Sampler:
     def sample(self, logits: Tensor, states: Sequence[SamplingState]) -> list[int]:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} states")
+        if any(s.penalties is not None for s in states):
+            logits = _penalized(logits, states)
         if all(s.is_greedy for s in states):  # fast path: one argmax for the batch
             return [int(t) for t in logits.argmax(dim=-1).tolist()]
 
@@ -97,6 +105,15 @@ class Sampler:
                 for i, token in zip(rows, picked, strict=True):
                     tokens[i] = token
         return tokens
+
+
+def _penalized(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+    """A float32 copy of logits [B, vocab] with each penalized row adjusted."""
+    out = logits.to(torch.float32, copy=True)
+    for row, state in enumerate(states):
+        if state.penalties is not None:
+            out[row] = state.penalties.apply(out[row])
+    return out
 
 
 def _sample_rows(logits: Tensor, states: Sequence[SamplingState], *, filtered: bool) -> list[int]:

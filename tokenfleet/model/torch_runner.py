@@ -6,6 +6,11 @@ forward pass plus one batched sample:
 
     plan.decode + plan.prefill  ->  input ids + SeqInputs  ->  LlamaModel.forward
     logits rows of the sampling entries  ->  Sampler.sample  ->  one token each
+    the same rows, raw, of sessions asking for logprobs  ->  log_softmax  ->  `Sampled`
+
+Logprobs come from the raw model logits (before penalties, bias, grammar mask,
+temperature and filters), as OpenAI and vLLM (its default "raw_logprobs") report them;
+a tick where no session asks for any computes none and returns the plain list.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.sampling import Sampler, SamplingState
 from tokenfleet.model.tick_inputs import SeqInput
 from tokenfleet.model.tokenizer import Tokenizer
-from tokenfleet.seam import DecodeStep, ModelSpec, ResolvedSampling, TickPlan, TokenMasks
+from tokenfleet.seam import (
+    DecodeStep,
+    ModelSpec,
+    ResolvedSampling,
+    Sampled,
+    SeqState,
+    TickPlan,
+    TokenLogprobs,
+    TokenMasks,
+)
 
 ForwardObserver = Callable[[list[int], list[SeqInput]], None]
 
@@ -76,7 +90,7 @@ class TorchRunner:
         plan: TickPlan,
         sampling: Mapping[str, ResolvedSampling],
         masks: TokenMasks | None = None,
-    ) -> list[int]:
+    ) -> list[int] | Sampled:
         if self.kv is None:
             raise RuntimeError("allocate_kv() before execute()")
         ids: list[int] = []
@@ -93,7 +107,7 @@ class TorchRunner:
                 if not entry.samples:
                     continue
             sample_rows.append(row)
-            states.append(self._stream(entry.seq.session_id, entry.seq.output_ids, sampling))
+            states.append(self._stream(entry.seq, sampling))
         if self.on_forward is not None:
             self.on_forward(ids, seqs)
         logits = self.model.forward(ids, seqs, self.kv)  # [entries, vocab]
@@ -101,22 +115,50 @@ class TorchRunner:
             return []
         if len(sample_rows) < len(seqs):
             logits = logits[sample_rows]
+        raw = logits  # [sampled, vocab]: masks and the sampler never write it in place
         if masks:
             logits = _apply_masks(logits, plan.sampling_ids, masks)
-        return self.sampler.sample(logits, states)
+        tokens = self.sampler.sample(logits, states)
+        asked = [sampling[sid].logprobs for sid in plan.sampling_ids]
+        if all(k is None for k in asked):
+            return tokens
+        return Sampled(tokens, _logprobs(raw, tokens, asked))
 
-    def _stream(
-        self, session_id: str, emitted: list[int], sampling: Mapping[str, ResolvedSampling]
-    ) -> SamplingState:
-        state = self._streams.get(session_id)
+    def _stream(self, seq: SeqState, sampling: Mapping[str, ResolvedSampling]) -> SamplingState:
+        state = self._streams.get(seq.session_id)
         if state is None:
             # A resumed session skips the uniforms its emitted tokens used.
-            state = SamplingState.for_params(sampling[session_id], draws=len(emitted))
-            self._streams[session_id] = state
+            state = SamplingState.for_params(sampling[seq.session_id], draws=len(seq.output_ids))
+            self._streams[seq.session_id] = state
+        if state.penalties is not None:  # counts what was emitted since the last tick
+            state.penalties.observe(seq.prompt_ids, seq.output_ids)
         return state
 
     def release(self, session_id: str) -> None:
         self._streams.pop(session_id, None)
+
+
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], asked: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """Log-softmax of the raw logits [sampled, vocab] at each sampled token, and the k best
+    of the rows whose `asked` is k (0: the sampled token's alone, None: nothing)."""
+    rows = [i for i, k in enumerate(asked) if k is not None]
+    asking = raw if len(rows) == len(asked) else raw[rows]  # [A, vocab]
+    lp = torch.log_softmax(asking.float(), dim=-1)  # [A, vocab]
+    sampled = torch.tensor([tokens[i] for i in rows], device=lp.device)
+    picked = lp[torch.arange(len(rows), device=lp.device), sampled]  # [A]
+    k_max = max(asked[i] or 0 for i in rows)
+    top_lp, top_ids = lp.topk(k_max, dim=-1)  # [A, k_max], best first
+    # one copy to the host; a -inf (a logit of -inf) is reported as OpenAI's -9999
+    values = torch.cat([picked[:, None], top_lp], dim=1).clamp(-9999.0, 0.0).cpu().tolist()
+    ids = top_ids.cpu().tolist()
+    out: list[TokenLogprobs | None] = [None] * len(asked)
+    for a, i in enumerate(rows):
+        k = asked[i] or 0
+        top = tuple(zip(ids[a][:k], values[a][1 : k + 1], strict=True))
+        out[i] = TokenLogprobs(values[a][0], top)
+    return out
 
 
 def _apply_masks(logits: torch.Tensor, ids: list[str], masks: TokenMasks) -> torch.Tensor:

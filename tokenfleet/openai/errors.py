@@ -11,8 +11,9 @@ from pydantic import ValidationError
 
 from tokenfleet.errors import QueueFull, TenantQueueFull
 from tokenfleet.grammar import MAX_SCHEMA_DEPTH, GrammarEnd
+from tokenfleet.openai.fields import refusal
 from tokenfleet.openai.models import ErrorBody, ErrorDetail
-from tokenfleet.protocol import FinishEvent
+from tokenfleet.protocol import FinishEvent, GenerationRequest
 from tokenfleet.reasons import AdmissionReason, FinishReason
 
 INVALID = "invalid_request_error"
@@ -22,11 +23,13 @@ MAX_BODY_DEPTH = 200
 
 _GRAMMAR_ENDS = frozenset(GrammarEnd)
 
-# Protocol field → the OpenAI parameter it came from (for `param`).
-_PARAM_OF = {
-    "max_new_tokens": "max_tokens",
-    "prompt_ids": "prompt",
-    "metadata": "user",
+# A job's (GenerationRequest's) field → the OpenAI parameter it came from (for `param`).
+# Only a job's errors are renamed: an OpenAI request's own fields keep their names (its
+# `metadata` is OpenAI's, not the job's).
+_PARAM_OF: dict[tuple[str, ...], str] = {
+    ("max_new_tokens",): "max_tokens",
+    ("prompt_ids",): "prompt",
+    ("metadata", "user"): "user",
 }
 
 
@@ -57,21 +60,29 @@ class ApiError(Exception):
         return f"data: {ErrorBody(error=self.detail).model_dump_json()}\n\n".encode()
 
 
-def _param(loc: tuple[int | str, ...]) -> str | None:
-    """('messages', 0, 'role') → 'messages[0].role'; sampling.x → x; protocol names mapped."""
-    parts = [p for p in loc if p not in ("sampling",)]
+def _param(loc: tuple[int | str, ...], job: bool = False) -> str | None:
+    """('messages', 0, 'role') → 'messages[0].role'; for a `job`'s errors, sampling.x → x
+    and the protocol's names as OpenAI's (`_PARAM_OF`)."""
+    parts = list(loc)
+    if job:
+        parts = [p for p in parts if p != "sampling"]
+        for names, param in _PARAM_OF.items():
+            if tuple(map(str, parts[: len(names)])) == names:
+                parts = [param, *parts[len(names) :]]
+                break
     if not parts:
         return None
-    head = _PARAM_OF.get(str(parts[0]), str(parts[0]))
-    out = head
+    out = str(parts[0])
     for p in parts[1:]:
         out += f"[{p}]" if isinstance(p, int) else f".{p}"
     return out
 
 
 def from_validation(exc: ValidationError) -> ApiError:
-    """A 400 naming the first bad field (a body that is not JSON says so)."""
+    """A 400 naming the first bad field (a body that is not JSON says so); a field the
+    request models do not have is `fields.refusal`'s."""
     errors = exc.errors(include_url=False)
+    job = exc.title == GenerationRequest.__name__
     first = errors[0]
     if first["type"] == "json_invalid" and "recursion limit" in str(first["ctx"].get("error")):
         where = str(first["ctx"]["error"]).rpartition(" exceeded ")[2]  # "at line 1 column N"
@@ -91,14 +102,17 @@ def from_validation(exc: ValidationError) -> ApiError:
     if first["type"] == "model_type" or (first["type"] == "dict_type" and not first["loc"]):
         return ApiError(400, "the body must be a JSON object", code="invalid_json")
     problems = []
+    codes = []
     for err in errors[:5]:
-        where = _param(tuple(err["loc"])) or "body"
-        msg = err["msg"].removeprefix("Value error, ")
+        where = _param(tuple(err["loc"]), job) or "body"
+        code, msg = "invalid_value", err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            code, msg = refusal(where)
+        elif err["type"] == "missing":
+            code = "missing_parameter"
+        codes.append(code)
         problems.append(f"{where}: {msg}")
-    code = "unknown_parameter" if first["type"] == "extra_forbidden" else "invalid_value"
-    if first["type"] == "missing":
-        code = "missing_parameter"
-    return ApiError(400, "; ".join(problems), param=_param(tuple(first["loc"])), code=code)
+    return ApiError(400, "; ".join(problems), param=_param(tuple(first["loc"]), job), code=codes[0])
 
 
 def from_finish(finish: FinishEvent, retry_after_s: int) -> ApiError:
@@ -110,7 +124,7 @@ def from_finish(finish: FinishEvent, retry_after_s: int) -> ApiError:
         return ApiError(
             400,
             f"the output does not satisfy the request's structured-output constraint "
-            f"(response_format, guided_regex or guided_grammar): {message}",
+            f"(response_format, structured_outputs or a guided_* field): {message}",
             code=reason,
         )
     if finish.reason == FinishReason.ERROR:

@@ -1,13 +1,19 @@
 """The subset of the OpenAI HTTP API the gateway speaks, as pydantic models.
 
 Requests are validated strictly (``extra="forbid"``: an unknown field is a 400
-naming it) with the fleet's own limits from `tokenfleet.protocol`, so an error
-names the OpenAI field (``max_tokens``), not the protocol one
-(``max_new_tokens``). Parameters the fleet cannot honour (``n`` > 1, penalties,
-logprobs, several prompts) are refused rather than ignored.
+naming it; the fields that cannot change the output are declared and ignored, as
+`tokenfleet.openai.fields` lists them) with the fleet's own limits from
+`tokenfleet.protocol`, so an error names the OpenAI field (``max_tokens``), not the
+protocol one (``max_new_tokens``). Parameters the fleet cannot honour (``echo``) are
+refused rather than ignored; ``n`` > 1 and several prompts are one job per choice, which
+only the gateway makes (validated in the `FAN_OUT` context: gateway/fanout.py).
+Penalties, ``logit_bias`` and logprobs go into the job's ``sampling``
+(docs/protocol.md); logprobs are the raw model's.
 
-Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``priority``.
+Extensions beyond OpenAI (the names vLLM uses): ``top_k``, ``repetition_penalty``,
+``ignore_eos``, ``stop_token_ids``, ``priority``, ``cache_salt``, and structured output as
+``structured_outputs`` or the older ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar``.
 
 Priority: OpenAI's ``service_tier`` ("auto" / "default": the API key's own default
 band; "priority": interactive; "flex": batch) or vLLM's integer ``priority`` (lower is
@@ -34,9 +40,18 @@ from pydantic import (
 
 from tokenfleet.grammar import GrammarError, check
 from tokenfleet.keys import DEFAULT_MODEL, DEFAULT_TENANT
+from tokenfleet.openai.structured import (
+    Choices,
+    GrammarText,
+    JsonSchemaValue,
+    StructuredOutputs,
+    choice_regex,
+    json_schema,
+)
 from tokenfleet.protocol import (
     MAX_CACHE_SALT_CHARS,
     MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
     MAX_MESSAGE_CHARS,
     MAX_MESSAGES,
     MAX_METADATA_VALUE_CHARS,
@@ -48,6 +63,11 @@ from tokenfleet.protocol import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_ID,
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
+    TOOL_NAME_PATTERN,
+    FunctionTool,
     GenerationRequest,
     Priority,
     Structured,
@@ -55,6 +75,14 @@ from tokenfleet.protocol import (
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise
+# Several choices per request (`n`, several completions prompts): each choice is a job.
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 16  # prompts in one /v1/completions request
+MAX_CHOICES = 32  # n × prompts: the jobs one request may submit
+# The validation context key under which n > 1 and several prompts are accepted: the
+# gateway's (`{FAN_OUT: True}`), which fans such a request out into one job per choice.
+# Without it (a batch line is one job) they are refused.
+FAN_OUT = "fan_out"
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
@@ -86,6 +114,11 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
+    """Any other key (OpenAI's `include_obfuscation`, say) is accepted and ignored
+    (`tokenfleet.openai.fields`)."""
+
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
@@ -119,17 +152,32 @@ class ResponseFormat(_Strict):
         return None
 
 
-# The request fields that constrain the output (one at most), as `structured` kinds.
-_CONSTRAINTS = ("response_format", "guided_regex", "guided_grammar")
+# The request fields that constrain the output (one at most), as `structured` kinds:
+# OpenAI's, vLLM's current `structured_outputs` and its older `guided_*` fields.
+_CONSTRAINTS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 
 
-def _constraint(field: str | None, value: object) -> dict[str, Any] | None:
-    """The job's `structured` field for one constraint field's value (None: no constraint)."""
-    if isinstance(value, ResponseFormat):
+def _constraint(field: str, value: object) -> dict[str, Any] | None:
+    """The job's `structured` field for constraint field `field`'s value (None: none)."""
+    if value is None:
+        return None
+    if isinstance(value, ResponseFormat | StructuredOutputs):
         return value.structured()
-    if isinstance(value, str):
-        return {"kind": "regex" if field == "guided_regex" else "lark", "value": value}
-    return None
+    if field == "guided_json":
+        assert isinstance(value, dict | str)
+        return json_schema(value)
+    if field == "guided_choice":
+        assert isinstance(value, list)
+        return {"kind": "regex", "value": choice_regex(value)}
+    assert isinstance(value, str)
+    return {"kind": "regex" if field == "guided_regex" else "lark", "value": value}
 
 
 class _GenerationParams(_Strict):
@@ -145,19 +193,28 @@ class _GenerationParams(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=MAX_METADATA_VALUE_CHARS)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # accepted and ignored: they cannot change the output (tokenfleet.openai.fields.IGNORED)
+    metadata: dict[str, str] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (decimal text) -> -100..100
     # extensions
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # vLLM's; 1 = off
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     # share cached prefix KV only with requests of the same salt (vLLM's field)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     response_format: ResponseFormat | None = None
-    # extensions, as vLLM names them: the whole output matches a regex / a Lark grammar
-    guided_regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
-    guided_grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    # extensions, as vLLM names them: `structured_outputs`, and its older fields: the
+    # output is a schema's instance / one of the choices / matches a regex / a Lark grammar
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: JsonSchemaValue | None = None
+    guided_regex: GrammarText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: GrammarText | None = None
     # which band the job waits in (module docstring); `service_tier` before `priority`,
     # whose check reads it
     service_tier: ServiceTier | None = None
@@ -186,14 +243,13 @@ class _GenerationParams(_Strict):
             return "interactive"
         return "batch" if asked == "batch" else key_default
 
-    @field_validator("response_format", "guided_regex", "guided_grammar")
+    @field_validator(*_CONSTRAINTS)
     @classmethod
-    def _usable_grammar(
-        cls, value: ResponseFormat | str | None, info: ValidationInfo
-    ) -> ResponseFormat | str | None:
+    def _usable_grammar(cls, value: object, info: ValidationInfo) -> object:
         """A constraint the fleet could never honour is refused here, before any token:
         one that does not compile, nests too deep, or allows no finite output
         (`worker.grammar.check`, the same check the worker makes)."""
+        assert info.field_name is not None
         spec = _constraint(info.field_name, value)
         if spec is None:
             return value
@@ -216,14 +272,17 @@ class _GenerationParams(_Strict):
 
     def structured(self) -> dict[str, Any] | None:
         """The job's `structured` field; at most one constraint may be given."""
-        given = [
-            spec
+        given = {
+            name: spec
             for name in _CONSTRAINTS
             if (spec := _constraint(name, getattr(self, name))) is not None
-        ]
+        }
         if len(given) > 1:
-            raise ValueError("give one of response_format, guided_regex and guided_grammar")
-        return given[0] if given else None
+            raise ValueError(
+                f"{' and '.join(given)} each constrain the output: give one of "
+                f"{', '.join(_CONSTRAINTS[:-1])} and {_CONSTRAINTS[-1]}"
+            )
+        return next(iter(given.values()), None)
 
     @field_validator("max_tokens")
     @classmethod
@@ -236,24 +295,48 @@ class _GenerationParams(_Strict):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
+    def _one_choice(cls, value: int | None, info: ValidationInfo) -> int | None:
+        """1 to MAX_N choices where the caller fans out (the `FAN_OUT` context); only 1
+        anywhere else."""
+        if value in (None, 1):
+            return value
+        if not _fans_out(info):
             raise ValueError(f"n={value} is not supported: only n=1 (send several requests)")
-        return value
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0.0):
-            raise ValueError("penalties are not supported (only 0)")
+        if not 1 <= value <= MAX_N:
+            raise ValueError(f"n is {value}: give 1 to MAX_N={MAX_N} choices")
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias_limits(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(
+                f"logit_bias has {len(value)} entries, limit MAX_LOGIT_BIAS={MAX_LOGIT_BIAS}"
+            )
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key!r}] is {bias}, outside [-100, 100]")
         return value
+
+    def logprobs_asked(self) -> int | None:
+        """The job's `sampling.logprobs`: None (none), 0 (the sampled token's), k (top k)."""
+        return None
+
+    def _penalties_and_logprobs(self) -> dict[str, Any]:
+        """The job's sampling fields for penalties, bias and logprobs: those given only
+        (the job's defaults switch them off)."""
+        given = {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": {k: float(v) for k, v in self.logit_bias.items()}
+            if self.logit_bias
+            else None,
+            "logprobs": self.logprobs_asked(),
+        }
+        return {k: v for k, v in given.items() if v is not None}
 
     @field_validator("stop")
     @classmethod
@@ -298,6 +381,7 @@ class _GenerationParams(_Strict):
                 "top_k": self.top_k if self.top_k is not None else defaults.get("top_k", 0),
                 "top_p": self.top_p if self.top_p is not None else defaults.get("top_p", 1.0),
                 "seed": self.seed,
+                **self._penalties_and_logprobs(),
             },
             "stop": self.stop_list,
             "stop_token_ids": list(self.stop_token_ids or []),
@@ -319,44 +403,48 @@ class CompletionRequest(_GenerationParams):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(
-        cls, value: str | list[str] | list[int] | list[list[int]]
+        cls, value: str | list[str] | list[int] | list[list[int]], info: ValidationInfo
     ) -> str | list[str] | list[int] | list[list[int]]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError(
-                    f"{len(value)} prompts in one request: only one is supported (send several)"
-                )
-            value = value[0]
-        if isinstance(value, str):
-            if not value:
-                raise ValueError("the prompt is empty")
-            if len(value) > MAX_PROMPT_CHARS:
-                raise ValueError(
-                    f"the prompt has {len(value):,} characters, "
-                    f"limit MAX_PROMPT_CHARS={MAX_PROMPT_CHARS}"
-                )
-        elif not value:
-            raise ValueError("the prompt is empty")
-        elif len(value) > MAX_PROMPT_TOKENS:
+        """One prompt (`["text"]` and `[[ids]]` are one); several (up to MAX_PROMPTS, and
+        n × prompts up to MAX_CHOICES) only where the caller fans out (`FAN_OUT`)."""
+        prompts: Any = value  # one prompt, or a list of them (pydantic checked the types)
+        if not (isinstance(value, list) and value and isinstance(value[0], str | list)):
+            return _checked_prompt(prompts, "the prompt")
+        if len(value) == 1:
+            return _checked_prompt(prompts[0], "the prompt")
+        if not _fans_out(info):
             raise ValueError(
-                f"the prompt has {len(value):,} token ids, "
-                f"limit MAX_PROMPT_TOKENS={MAX_PROMPT_TOKENS}"
+                f"{len(value)} prompts in one request: only one is supported (send several)"
             )
-        return value
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"{len(value)} prompts, limit MAX_PROMPTS={MAX_PROMPTS}")
+        n = info.data.get("n") or 1
+        if n * len(value) > MAX_CHOICES:
+            raise ValueError(
+                f"n={n} choices for each of {len(value)} prompts are {n * len(value)} choices, "
+                f"limit MAX_CHOICES={MAX_CHOICES}"
+            )
+        checked = [_checked_prompt(p, f"prompt {i}") for i, p in enumerate(prompts)]
+        return checked  # type: ignore[return-value]  # list[str] or list[list[int]]
 
     @field_validator("logprobs")
     @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
+    def _logprobs_limit(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs is {value}: give 0 to MAX_TOP_LOGPROBS={MAX_TOP_LOGPROBS}")
         return value
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
         if value:
-            raise ValueError("echo is not supported")
+            raise ValueError(
+                "echo is not supported: the fleet does not return the prompt or its logprobs"
+            )
         return value
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -373,11 +461,35 @@ class CompletionRequest(_GenerationParams):
         return value
 
     def prompt_fields(self) -> dict[str, Any]:
-        """{"prompt": text} or {"prompt_ids": ids} (validation left exactly one prompt)."""
+        """{"prompt": text} or {"prompt_ids": ids}: one job's prompt (several prompts are
+        split into one request each before: gateway/fanout.py)."""
         value: Any = self.prompt
         if isinstance(value, list) and value and isinstance(value[0], str | list):
+            assert len(value) == 1, f"{len(value)} prompts: one job takes one"
             value = value[0]
         return {"prompt": value} if isinstance(value, str) else {"prompt_ids": list(value)}
+
+
+def _fans_out(info: ValidationInfo) -> bool:
+    return isinstance(info.context, Mapping) and bool(info.context.get(FAN_OUT))
+
+
+def _checked_prompt(value: str | list[int], name: str) -> str | list[int]:
+    """One prompt within the fleet's limits; `name` is how errors call it."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{name} is empty")
+        if len(value) > MAX_PROMPT_CHARS:
+            raise ValueError(
+                f"{name} has {len(value):,} characters, limit MAX_PROMPT_CHARS={MAX_PROMPT_CHARS}"
+            )
+    elif not value:
+        raise ValueError(f"{name} is empty")
+    elif len(value) > MAX_PROMPT_TOKENS:
+        raise ValueError(
+            f"{name} has {len(value):,} token ids, limit MAX_PROMPT_TOKENS={MAX_PROMPT_TOKENS}"
+        )
+    return value
 
 
 class TextPart(_Strict):
@@ -385,10 +497,60 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCallIn(_Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+    arguments: str = Field(max_length=MAX_MESSAGE_CHARS)  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Strict):
+    """A call an earlier assistant turn made, as the client sends the history back."""
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+    description: str | None = Field(default=None, max_length=MAX_MESSAGE_CHARS)
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema
+    strict: bool | None = None  # calls always follow the schema here (a grammar holds them)
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ToolChoiceFunction(_Strict):
+    name: Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatMessageIn(_Strict):
     role: Annotated[str, Field(pattern=r"^[a-z_]{1,32}$")]
     content: str | list[TextPart] | None = None
-    name: str | None = Field(default=None, max_length=64)  # accepted, not forwarded
+    name: str | None = Field(default=None, max_length=64)
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=MAX_TOOL_CALL_ID_CHARS)
+
+    def fleet_message(self) -> dict[str, Any]:
+        """The job's ChatMessage fields for this turn."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            out["name"] = self.name
+        return out
 
     @property
     def text(self) -> str:
@@ -413,6 +575,28 @@ class ChatCompletionRequest(_GenerationParams):
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
+    top_logprobs: int | None = None  # with logprobs: the k most likely tokens too
+    # function calling: the tools' schemas hold the calls (tokenfleet.tools)
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted and ignored (tokenfleet.openai.fields.IGNORED)
+    store: bool | None = None
+    prediction: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise ValueError(
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    f"among the tools ({', '.join(names) or 'none given'})"
+                )
+        elif choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -424,15 +608,49 @@ class ChatCompletionRequest(_GenerationParams):
             )
         return value
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
+    def _top_logprobs_limit(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs is {value}: give 0 to MAX_TOP_LOGPROBS={MAX_TOP_LOGPROBS}"
+            )
+        if value and not info.data.get("logprobs"):  # 0 asks nothing: a client's default
+            raise ValueError("top_logprobs needs logprobs: true")
         return value
 
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def prompt_fields(self) -> dict[str, Any]:
-        return {"messages": [{"role": m.role, "content": m.text} for m in self.messages]}
+        fields: dict[str, Any] = {"messages": [m.fleet_message() for m in self.messages]}
+        if self.tools:  # `tools: []` is no tools
+            fields["tools"] = [t.model_dump() for t in self._function_tools()]
+            choice = self.tool_choice or "auto"
+            fields["tool_choice"] = (
+                {"name": choice.function.name} if isinstance(choice, NamedToolChoice) else choice
+            )
+            fields["parallel_tool_calls"] = (
+                True if self.parallel_tool_calls is None else self.parallel_tool_calls
+            )
+        return fields
+
+    def _function_tools(self) -> list[FunctionTool]:
+        return [
+            FunctionTool(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=json.dumps(t.function.parameters or {}),
+            )
+            for t in self.tools or []
+        ]
+
+    def callable_tools(self) -> list[FunctionTool]:
+        """The functions the answer may call, which the gateway reads back out of its
+        text; none when `tool_choice` is "none"."""
+        return [] if self.tool_choice == "none" else self._function_tools()
 
 
 def job_from_openai(
@@ -483,10 +701,37 @@ class UsageOut(_Out):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprobOut(_Out):
+    token: str  # the token's own text
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]  # the k most likely, best first
+
+
+class ChatLogprobs(_Out):
+    """A chat choice's (or chunk's) `logprobs`: one entry per token."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(_Out):
+    """A completion choice's `logprobs` (the legacy shape): lists parallel to the tokens;
+    `text_offset`: where each token's text starts in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(_Out):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     fleet_finish_reason: str | None = None  # the fleet's own reason (cancelled, deadline, ...)
 
@@ -502,15 +747,39 @@ class CompletionResponse(_Out):
     usage: UsageOut | None = None
 
 
+class FunctionCallOut(_Out):
+    name: str
+    arguments: str  # JSON text, valid for the function's parameters
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Out):
+    """`content` is None when the answer is only tool calls (as OpenAI's is)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ToolCallDelta(_Out):
+    """A streamed call: here each call arrives whole, in one delta (its `index` says
+    which; clients concatenate `arguments` across deltas of one index)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
 
 
 class ChatChoice(_Out):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     fleet_finish_reason: str | None = None
 
@@ -531,6 +800,7 @@ class ChatDelta(_Out):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _present_only(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -541,7 +811,7 @@ class ChatDelta(_Out):
 class ChatChunkChoice(_Out):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     fleet_finish_reason: str | None = None
 

@@ -11,24 +11,36 @@ become HTTP errors (or an error event mid-stream), see `errors.from_finish`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
+from tokenfleet.fleet import ServedModel
 from tokenfleet.openai.models import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
+    FunctionCallOut,
     PromptTokensDetails,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprobOut,
     UsageOut,
 )
-from tokenfleet.protocol import FinishEvent
+from tokenfleet.protocol import FinishEvent, FunctionTool, TokenEvent, TokenLogprob, ToolCall
 from tokenfleet.reasons import FinishReason
+from tokenfleet.tools import DEFAULT_FORMAT, CallStream, ToolFormat, split_calls
 
 OPENAI_FINISH_REASON: dict[FinishReason, str] = {
     FinishReason.STOP: "stop",
@@ -38,6 +50,7 @@ OPENAI_FINISH_REASON: dict[FinishReason, str] = {
 }
 
 DONE = b"data: [DONE]\n\n"
+_Choice = TypeVar("_Choice", ChatChunkChoice, CompletionChoice)
 KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 
 
@@ -49,6 +62,34 @@ def usage_of(finish: FinishEvent) -> UsageOut:
         total_tokens=u.prompt_tokens + u.completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens),
     )
+
+
+def reads_calls(
+    parsed: CompletionRequest | ChatCompletionRequest, served: ServedModel | None
+) -> dict[str, Any]:
+    """The `Renderer` fields that read tool calls out of the answer to `parsed`: its
+    callable tools and how the model serving it writes calls (as its workers advertise;
+    the Hermes convention when none is live)."""
+    if not isinstance(parsed, ChatCompletionRequest):
+        return {}
+    tools = parsed.callable_tools()
+    advertised = served.tool_format if served is not None else None
+    known = {str(f) for f in ToolFormat}
+    fmt = ToolFormat(advertised) if advertised in known else DEFAULT_FORMAT
+    return {"tools": tools, "tool_format": fmt} if tools else {}
+
+
+def _fn(call: ToolCall) -> dict[str, str]:
+    return {"name": call.name, "arguments": call.arguments}
+
+
+def _call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(**_fn(call)))
+
+
+def _at(choice: _Choice, index: int) -> _Choice:
+    """`choice` (made with index 0) as choice `index` of its request."""
+    return choice if index == 0 else choice.model_copy(update={"index": index})
 
 
 def _sse(body: CompletionResponse | ChatCompletionChunk) -> bytes:
@@ -66,21 +107,43 @@ class Renderer:
     # chat bodies and chunks name the band the job ran in, as OpenAI's name their tier
     # ("default", "priority", "flex"); None: not said (null)
     service_tier: str | None = None
+    # the functions the answer may call (none: its text is all content), and how the
+    # model writes calls (tokenfleet.tools)
+    tools: Sequence[FunctionTool] = ()
+    tool_format: ToolFormat = DEFAULT_FORMAT
+    # which choice of its request this one is, in bodies and chunks (several choices:
+    # n > 1 or several prompts, gateway/fanout.py)
+    index: int = 0
+    _calls: CallStream | None = field(default=None, init=False, repr=False)
+    _offset: int = field(default=0, init=False, repr=False)  # streamed completion text so far
 
     @property
     def id(self) -> str:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.job_id}"
 
-    def body(self, text: str, finish: FinishEvent) -> CompletionResponse | ChatCompletionResponse:
+    def body(
+        self, text: str, finish: FinishEvent, logprobs: Sequence[TokenLogprob] | None = None
+    ) -> CompletionResponse | ChatCompletionResponse:
+        """`logprobs`: one per token, when the request asked for them."""
         reason = OPENAI_FINISH_REASON[finish.reason]
         if self.kind == "chat":
+            message = ChatMessageOut(content=text)
+            if self.tools:
+                split = split_calls(self.tool_format, text, self.tools, self.job_id)
+                if split.calls:
+                    message = ChatMessageOut(
+                        content=split.content, tool_calls=[_call_out(c) for c in split.calls]
+                    )
+                    reason = "tool_calls"
             return ChatCompletionResponse(
                 id=self.id,
                 created=self.created,
                 model=self.model,
                 choices=[
                     ChatChoice(
-                        message=ChatMessageOut(content=text),
+                        index=self.index,
+                        message=message,
+                        logprobs=None if logprobs is None else chat_logprobs(logprobs),
                         finish_reason=reason,
                         fleet_finish_reason=str(finish.reason),
                     )
@@ -94,7 +157,11 @@ class Renderer:
             model=self.model,
             choices=[
                 CompletionChoice(
-                    text=text, finish_reason=reason, fleet_finish_reason=str(finish.reason)
+                    index=self.index,
+                    text=text,
+                    logprobs=None if logprobs is None else completion_logprobs(logprobs),
+                    finish_reason=reason,
+                    fleet_finish_reason=str(finish.reason),
                 )
             ],
             usage=usage_of(finish),
@@ -112,9 +179,35 @@ class Renderer:
 
     def delta(self, text: str) -> bytes:
         """One token's chunk: the chunk's bytes around its text are rendered once per request
-        (this runs for every token, so it is one json.dumps and two concatenations)."""
+        (this runs for every token, so it is one json.dumps and two concatenations). With
+        tools, text that may begin a call is held back until the end (`closing`)."""
+        if self.tools and self.kind == "chat":
+            text = self._call_stream().feed(text)
+            if not text:
+                return b""
         head, tail = self._delta_template
         return head + json.dumps(text, ensure_ascii=False).encode() + tail
+
+    def token(self, event: TokenEvent) -> bytes:
+        """One token event's chunk (b"" when it has nothing to say): its text, and its
+        logprobs when the job asked for them (then every token gets a chunk)."""
+        if event.logprobs is None:
+            return self.delta(event.text) if event.text else b""
+        if self.kind == "completions":
+            lp = completion_logprobs([event.logprobs], self._offset)
+            self._offset += len(event.logprobs.token)
+            choice = CompletionChoice(text=event.text, logprobs=lp, finish_reason=None)
+            return _sse(self._completion_chunk(choice))
+        text = self._call_stream().feed(event.text) if self.tools else event.text
+        delta = ChatChunkChoice(
+            delta=ChatDelta(content=text), logprobs=chat_logprobs([event.logprobs])
+        )
+        return _sse(self._chat_chunk(delta))
+
+    def _call_stream(self) -> CallStream:
+        if self._calls is None:
+            self._calls = CallStream(self.tool_format, self.tools, self.job_id)
+        return self._calls
 
     @cached_property
     def _delta_template(self) -> tuple[bytes, bytes]:
@@ -133,6 +226,19 @@ class Renderer:
         fleet = str(finish.reason)
         last: ChatCompletionChunk | CompletionResponse
         usage: ChatCompletionChunk | CompletionResponse
+        calls = b""
+        if self.kind == "chat" and self.tools:
+            rest, found = self._call_stream().finish()
+            if rest:
+                head, tail = self._delta_template
+                calls += head + json.dumps(rest, ensure_ascii=False).encode() + tail
+            if found:
+                deltas = [
+                    ToolCallDelta(index=i, id=c.id, function=FunctionCallOut(**_fn(c)))
+                    for i, c in enumerate(found)
+                ]
+                calls += _sse(self._chat_chunk(ChatChunkChoice(delta=ChatDelta(tool_calls=deltas))))
+                reason = "tool_calls"
         if self.kind == "chat":
             last = self._chat_chunk(
                 ChatChunkChoice(delta=ChatDelta(), finish_reason=reason, fleet_finish_reason=fleet)
@@ -143,7 +249,7 @@ class Renderer:
                 CompletionChoice(text="", finish_reason=reason, fleet_finish_reason=fleet)
             )
             usage = self._completion_chunk(None, usage_of(finish))
-        return _sse(last) + (_sse(usage) if include_usage else b"") + DONE
+        return calls + _sse(last) + (_sse(usage) if include_usage else b"") + DONE
 
     def _chat_chunk(
         self, choice: ChatChunkChoice | None, usage: UsageOut | None = None
@@ -152,7 +258,7 @@ class Renderer:
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[choice] if choice is not None else [],
+            choices=[] if choice is None else [_at(choice, self.index)],
             usage=usage,
             service_tier=self.service_tier,
         )
@@ -164,6 +270,44 @@ class Renderer:
             id=self.id,
             created=self.created,
             model=self.model,
-            choices=[choice] if choice is not None else [],
+            choices=[] if choice is None else [_at(choice, self.index)],
             usage=usage,
         )
+
+
+# ---- logprobs -------------------------------------------------------------------------
+
+
+def _top_out(token: str, logprob: float) -> TopLogprobOut:
+    return TopLogprobOut(token=token, logprob=logprob, bytes=list(token.encode()))
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatLogprobs:
+    """Chat's `logprobs`: per token its text, logprob, UTF-8 bytes and the top ones."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=e.token,
+                logprob=e.logprob,
+                bytes=list(e.token.encode()),
+                top_logprobs=[_top_out(text, lp) for _, lp, text in e.top],
+            )
+            for e in entries
+        ]
+    )
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> CompletionLogprobs:
+    """Completions' `logprobs`; `offset`: where the first token's text starts (the
+    token texts before it, when streaming). Two top tokens with the same text keep
+    the likelier one's logprob (a dict by text, as OpenAI's shape is)."""
+    offsets: list[int] = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    return CompletionLogprobs(
+        tokens=[e.token for e in entries],
+        token_logprobs=[e.logprob for e in entries],
+        top_logprobs=[{text: lp for _, lp, text in reversed(e.top)} for e in entries],
+        text_offset=offsets,
+    )

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
 from tokenfleet.admission import Admission, AdmissionDecision, AdmissionRequest, NodeBudget
@@ -31,8 +31,18 @@ from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
 from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
-from tokenfleet.seam import DecodeStep, ModelRunner, SeqState, SeqStatus, TickPlan
+from tokenfleet.seam import (
+    DecodeStep,
+    ModelRunner,
+    Sampled,
+    SeqState,
+    SeqStatus,
+    TickPlan,
+    TokenLogprobs,
+)
+from tokenfleet.tools import chat_input, tool_format, tool_grammar
 from tokenfleet.worker.bands import BandPolicy, FairnessConfig, band_of
+from tokenfleet.worker.logprobs import TokenTexts
 from tokenfleet.worker.scheduler import Scheduler, SchedulerConfig
 from tokenfleet.worker.session import Finished, Outbox, Session, terminal
 from tokenfleet.worker.telemetry import EngineStats
@@ -45,6 +55,7 @@ __all__ = ["Engine", "EngineConfig", "Finished", "StepOutput"]
 
 MiB = 1024 * 1024
 FaultHook = Callable[[Session], None]
+Pick = tuple[int, TokenLogprobs | None]  # a sampled token and its logprobs (when asked)
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,9 @@ class Engine:
         self.fault = fault  # fault injection for tests: raise inside the forward of a session
         self.threads = threads  # fits the CPU thread count to the free cores between ticks
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)  # structured output
+        self.token_texts = TokenTexts(self.tokenizer)  # for logprobs' token texts
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        self.tool_format = tool_format(template)  # how its model writes tool calls
         self.admission = Admission(self.budget)
         self.blocks = self.budget.new_block_manager(prefix_cache=self.config.prefix_cache)
         self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
@@ -291,14 +305,15 @@ class Engine:
         return out
 
     def _run_tick(self, plan: TickPlan, out: StepOutput) -> None:
-        tokens = self._execute(plan)  # session id -> sampled token
+        picks = self._execute(plan)  # session id -> sampled token, its logprobs
         now = self.clock()
         generated = [0] * len(BANDS)  # sampled tokens per band
-        for sid, token in tokens.items():
+        for sid, (token, sampled) in picks.items():
             session = self.sessions[sid]
             generated[band_of(session)] += 1
             try:
-                event, ended = session.accept(token)
+                logprobs = None if sampled is None else self.token_texts.logprob(token, sampled)
+                event, ended = session.accept(token, logprobs)
             except Exception as exc:  # one job's text handling must not take the batch down
                 self._end(session, FinishReason.ERROR, now, _error("postprocess", exc))
                 continue
@@ -311,14 +326,14 @@ class Engine:
         self.scheduler.complete_tick(plan)  # advances the sessions still running
         self.bands.record_tick(generated, (*self.sessions.values(), *self.waiting))
 
-    def _execute(self, plan: TickPlan) -> dict[str, int]:
+    def _execute(self, plan: TickPlan) -> dict[str, Pick]:
         """Each sampling session's next token; on failure, retry entries one by one and
         fail only the sessions whose own execution fails."""
         try:
             return self._run_runner(plan)
         except Exception:
             pass
-        tokens: dict[str, int] = {}
+        tokens: dict[str, Pick] = {}
         now = self.clock()
         for entry in plan.entries:
             alone = (
@@ -331,7 +346,7 @@ class Engine:
                 self._end(session, FinishReason.ERROR, now, _error("engine", exc))
         return tokens
 
-    def _run_runner(self, plan: TickPlan) -> dict[str, int]:
+    def _run_runner(self, plan: TickPlan) -> dict[str, Pick]:
         ids = plan.sampling_ids
         sampling = {sid: self.sessions[sid].sampling for sid in ids}
         started = time.perf_counter()
@@ -350,7 +365,9 @@ class Engine:
                 tokens = self.runner.execute(plan, sampling)
         finally:
             self._runner_s += time.perf_counter() - started
-        return dict(zip(ids, tokens, strict=True))
+        if isinstance(tokens, Sampled):
+            return dict(zip(ids, zip(tokens.tokens, tokens.logprobs, strict=True), strict=True))
+        return {sid: (token, None) for sid, token in zip(ids, tokens, strict=True)}
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -361,8 +378,9 @@ class Engine:
         elif tokenizer is None:
             raise ValueError("this model has no tokenizer: send prompt_ids instead of text")
         elif request.messages is not None:
-            turns = [{"role": m.role, "content": m.content} for m in request.messages]
-            prompt_ids = tokenizer.encode(render_chat(tokenizer, turns))  # ChatTemplateError
+            chat = chat_input(request, tokenizer.chat_template)
+            prompt = render_chat(tokenizer, chat.turns, tools=chat.tools)  # ChatTemplateError
+            prompt_ids = tokenizer.encode(prompt)
         else:
             prompt_ids = tokenizer.encode(request.prompt or "")
         vocab = self.spec.vocab_size
@@ -382,18 +400,33 @@ class Engine:
         if not request.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids)
+        grammar = request.structured or tool_grammar(request, self.tool_format)
         matcher = None
-        if request.structured is not None:  # GrammarError: rejected_invalid
-            matcher = self.grammars.matcher(request.structured)
+        if grammar is not None:  # GrammarError: rejected_invalid
+            matcher = self.grammars.matcher(grammar)
+        bias = s.bias_pairs()
+        if bias and bias[-1][0] >= vocab:
+            raise ValueError(
+                f"logit_bias token id {bias[-1][0]} is outside the vocabulary (size {vocab})"
+            )
+        sampling = replace(  # validated again (ValueError: rejected_invalid)
+            self.spec.sampling_defaults.resolve(s.temperature, s.top_k, s.top_p, s.seed),
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty,
+            logit_bias=bias,
+            logprobs=s.logprobs,
+        )
         return Session(
             request=request,
             prompt_ids=prompt_ids,
-            sampling=self.spec.sampling_defaults.resolve(s.temperature, s.top_k, s.top_p, s.seed),
+            sampling=sampling,
             detok=detok,
             stop_ids=stop_ids,
             submitted_at=submitted_at,
             scratch_bytes=self.runner.scratch_bytes(len(prompt_ids) + request.max_new_tokens),
             matcher=matcher,
+            grammar=grammar,
         )
 
     def _admission_request(self, session: Session) -> AdmissionRequest:

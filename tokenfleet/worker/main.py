@@ -25,6 +25,7 @@ from tokenfleet.errors import ModelLoadError, TokenfleetError
 from tokenfleet.keys import Keys
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.loader import load_model
+from tokenfleet.tools import tool_format
 from tokenfleet.worker.bands import FairnessConfig
 from tokenfleet.worker.engine import Engine, EngineConfig
 from tokenfleet.worker.loop import Worker, WorkerOptions, default_worker_name
@@ -122,6 +123,7 @@ def _heartbeat_info(
     settings: WorkerSettings, loaded: LoadedModel, compile_info: dict[str, object]
 ) -> dict[str, Any]:
     """What the worker's hash says it serves, and how."""
+    template = loaded.tokenizer.chat_template if loaded.tokenizer is not None else None
     return {
         "model": settings.model_name or "default",
         "checkpoint": settings.model,
@@ -133,6 +135,8 @@ def _heartbeat_info(
         **compile_info,
         # what a job that leaves temperature/top_k/top_p unset samples with
         "sampling_defaults": loaded.sampling_defaults.as_fields(),
+        # how its model writes tool calls: how the gateway reads them back
+        "tool_format": str(tool_format(template)),
         "host": platform.node(),
     }
 

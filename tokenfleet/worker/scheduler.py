@@ -22,7 +22,11 @@ session's KV lifetime: `add` reserves prompt + max_new_tokens in the
 blocks are ensured in `schedule`. With prefix caching, `add` starts a session at
 the end of its longest cached prefix (whole blocks, never the last known token:
 there must be logits to sample from), and `complete_tick` registers each block that
-a tick filled with computed KV, so later sessions can share it. It never writes
+a tick filled with computed KV, so later sessions can share it. A session about to start
+whose next block another session is computing right now (the same address: the same
+prefix in the same cache scope and salt, e.g. the n choices of one request) waits in line
+until that block is registered, then takes it from the cache: a prefix that several
+sessions need at once is prefilled once (`_look_up`). It never writes
 `output_ids`: that list is the session's record of its emitted tokens
 (`Session.emitted`, the same list), and the session alone decides when a job ends
 (stop token, stop string, length).
@@ -68,7 +72,9 @@ class Scheduler:
         # (the engine's BandPolicy: bands, starved ones first); the default is one rank.
         self.rank = rank
         self._seqs: dict[str, SeqState] = {}
-        self._waiting: deque[SeqState] = deque()  # WAITING/PREFILL, FIFO; only the head is partial
+        # WAITING/PREFILL, FIFO; partial ones are at the head, but for one that started
+        # while an unstarted one before it waited for a prefix in flight (`_look_up`)
+        self._waiting: deque[SeqState] = deque()
         self._running: deque[SeqState] = deque()  # DECODE, rotated when over max_batch_size
         self._in_flight: TickPlan | None = None
 
@@ -148,11 +154,14 @@ class Scheduler:
 
         prefill: list[PrefillChunk] = []
         budget = self.config.max_prefill_tokens_per_tick
+        started: list[SeqState] = []  # sessions whose first prefill chunk is in this plan
         for seq in self._waiting:
             if budget == 0:
                 break
             if seq.status is SeqStatus.WAITING and seq.num_computed == seq.num_cached:
-                self._look_up(seq)
+                if self._look_up(seq, started):
+                    continue  # its prefix is being computed: it waits for the cache
+                started.append(seq)
             length = min(seq.prefill_remaining, budget)
             start = seq.num_computed
             table = self.blocks.ensure(seq.session_id, start + length)
@@ -195,20 +204,49 @@ class Scheduler:
             self._waiting.remove(seq)
             self._running.append(seq)
 
-    def _look_up(self, seq: SeqState) -> None:
+    def _look_up(self, seq: SeqState, started: list[SeqState]) -> bool:
         """Just before a session's first prefill chunk: adopt what the cache holds of its
         prefix now (sessions admitted together find the blocks the first of them
-        computed in the ticks since), and count the lookup once."""
+        computed in the ticks since). True: the next block it would compute is being
+        computed by another session (`started` in this plan, or prefilling since an
+        earlier tick), so it waits: it looks again next tick, and it computes only what
+        no one else is computing. Waiting, not forking the other's blocks before they
+        hold KV: the block manager and the runner keep one rule (a shared block is a
+        computed one), a session that waits loses no work (it would spend the same
+        ticks computing the same tokens), and a cancelled or preempted leader leaves it
+        to compute what is missing itself. Otherwise it counts its lookup, once."""
         if seq.hash_root is None or not self.blocks.prefix_cache:
-            return
+            return False
         size = self.blocks.block_size
         cached = self.blocks.extend_prefix(seq.session_id, seq.block_hashes)
         seq.num_computed = seq.num_cached = cached
         seq.num_registered = max(seq.num_registered, cached // size)
+        if self._computed_elsewhere(seq, started):
+            return True
         if not seq.looked_up:
             seq.looked_up = True
             queried = len(seq.block_hashes)
             self.blocks.record_query(seq.num_tokens, cached, queried, cached // size)
+        return False
+
+    def _computed_elsewhere(self, seq: SeqState, started: list[SeqState]) -> bool:
+        """Whether another session's prefill in flight will register `seq`'s next block
+        (chained addresses: equal at one index means the whole prefix up to it is). With
+        no other prefill in flight, or none sharing it, this is a few comparisons."""
+        block = seq.num_cached // self.blocks.block_size
+        if block >= len(seq.block_hashes):
+            return False  # the cache has all it could give
+        address = seq.block_hashes[block]
+
+        def computes(other: SeqState) -> bool:
+            hashes = other.block_hashes
+            return other.num_registered <= block < len(hashes) and hashes[block] == address
+
+        if any(computes(other) for other in started):
+            return True
+        return any(
+            other.status is SeqStatus.PREFILL and computes(other) for other in self._waiting
+        )
 
     def _register(self, seq: SeqState) -> None:
         """Offer the blocks the last tick filled to the prefix cache."""

@@ -26,8 +26,10 @@ from tokenfleet.protocol import (
     FinishEvent,
     GenerationRequest,
     JobResult,
+    Structured,
     Timings,
     TokenEvent,
+    TokenLogprob,
     Usage,
 )
 from tokenfleet.reasons import FinishReason
@@ -103,8 +105,16 @@ def terminal(
         timings=timings,
         error=error,
         worker=worker,
+        logprobs=_all_logprobs(events),
     )
     return Finished(event, result)
+
+
+def _all_logprobs(events: Seq[TokenEvent]) -> list[TokenLogprob] | None:
+    """Every event's logprobs, or None unless each has them (a job that asked none, or
+    one resumed here: the tokens replayed into it carry none)."""
+    found = [e.logprobs for e in events if e.logprobs is not None]
+    return found if events and len(found) == len(events) else None
 
 
 @dataclass
@@ -127,6 +137,7 @@ class Session:
     # structured output: the job's grammar state (an llguidance LLMatcher), fed every
     # emitted token; None for a job without one
     matcher: Any = None
+    grammar: Structured | None = None  # what `matcher` holds it to (a job's or its tools')
     # why a structured job ended `rejected` mid-way: its output does not satisfy its
     # grammar (grammar.unmet); None otherwise
     end_error: ErrorInfo | None = None
@@ -154,8 +165,11 @@ class Session:
     def max_new_tokens(self) -> int:
         return self.request.max_new_tokens
 
-    def accept(self, token_id: int) -> tuple[TokenEvent | None, FinishReason | None]:
+    def accept(
+        self, token_id: int, logprobs: TokenLogprob | None = None
+    ) -> tuple[TokenEvent | None, FinishReason | None]:
         """Take one sampled token: its event (None for a stop token) and whether it ends the job.
+        `logprobs` (when the job asked for them) go into its event as they are.
 
         A stop token id (or end-of-sequence, unless `ignore_eos`) ends the job as
         `stop` and is not part of the output; a completed stop string ends it as
@@ -180,7 +194,9 @@ class Session:
         if reason is None and index + 1 >= self.max_new_tokens:
             reason = FinishReason.LENGTH
             text += self._trailing_text()  # the last event carries whatever was held back
-        event = TokenEvent(job_id=self.job_id, index=index, token_id=token_id, text=text)
+        event = TokenEvent(
+            job_id=self.job_id, index=index, token_id=token_id, text=text, logprobs=logprobs
+        )
         self.emitted.append(token_id)  # both or neither, should the text handling raise
         self.events.append(event)
         if reason is FinishReason.STOP and self.matcher is not None:
@@ -190,10 +206,10 @@ class Session:
     def _stop(self, why: str, *, cut: bool) -> FinishReason:
         """`stop`, unless the job's output does not satisfy its grammar: `rejected`, with
         `end_error` saying why. `cut`: a stop string cut the text short of the tokens."""
-        if self.matcher is None or self.request.structured is None:
+        if self.matcher is None or self.grammar is None:
             return FinishReason.STOP
         text = "".join(e.text for e in self.events) if cut else None
-        self.end_error = unmet(self.matcher, self.request.structured, why, text)
+        self.end_error = unmet(self.matcher, self.grammar, why, text)
         return FinishReason.STOP if self.end_error is None else FinishReason.REJECTED
 
     def _trailing_text(self) -> str:
