@@ -139,6 +139,8 @@ def test_a_named_choice_must_be_among_the_tools_and_structured_output_excludes_c
     with pytest.raises(ValueError, match="cannot be combined"):
         job(structured={"kind": "json_object"})
     job(structured={"kind": "json_object"}, tool_choice="none")  # the tools only shown
+    forced = job(structured={"kind": "json_object"}, tool_choice="required")
+    assert tool_grammar(forced, ToolFormat.HERMES) is not None  # the call is the output
 
 
 # ---- reading calls back -------------------------------------------------------------------

@@ -308,10 +308,11 @@ class GenerationRequest(_Message):
         choice = self.tool_choice
         if isinstance(choice, NamedTool) and choice.name not in names:
             raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools")
-        if self.structured is not None and choice != "none":
+        if self.structured is not None and choice == "auto":  # forced: the call is the output
             raise ValueError(
-                "a structured output and tools that may be called cannot be combined: "
-                "give tool_choice 'none', or describe the output as a tool"
+                "a structured output and tools the model may or may not call cannot be "
+                "combined: give tool_choice 'none', 'required' or a function, or describe "
+                "the output as a tool"
             )
         return self
 

@@ -400,7 +400,8 @@ class Engine:
         if not request.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
         detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, prompt_ids)
-        grammar = request.structured or tool_grammar(request, self.tool_format)
+        # a forced call's grammar wins over `structured` (the call is the whole output)
+        grammar = tool_grammar(request, self.tool_format) or request.structured
         matcher = None
         if grammar is not None:  # GrammarError: rejected_invalid
             matcher = self.grammars.matcher(grammar)
