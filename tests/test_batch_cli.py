@@ -67,7 +67,8 @@ def test_batch_run_stops_on_ctrl_c_and_resumes_each_line_once(
     worker = fleet.start("batch-cli-w", burst=False)
     fleet.wait_alive(worker)
     source, out = tmp_path / "requests.jsonl", tmp_path / "results.jsonl"
-    write_requests(source, [40] * 12)
+    asked = [40] * 2 + [600] * 10  # long lines: the run cannot end before the Ctrl-C lands
+    write_requests(source, asked)
 
     first = batch_run(redis_url, source, out)
     wait_for(lambda: len(output_lines(out)) >= 2, 60, "two results written")
@@ -92,7 +93,8 @@ def test_batch_run_stops_on_ctrl_c_and_resumes_each_line_once(
             assert line["error"]["code"] == "invalid_request"  # type: ignore[index]
             continue
         body = line["response"]["body"]  # type: ignore[index]
-        assert body["usage"]["completion_tokens"] == 40
+        index = int(str(line["custom_id"])[1:])
+        assert body["usage"]["completion_tokens"] == asked[index]
     # one job per line under its own id; the second run's resubmissions were duplicates
     keys = Keys()
     hashes = [k for k in r.scan_iter(f"{keys.prefix}job:batch_*") if k.count(b":") == 2]
