@@ -52,7 +52,19 @@ def write_requests(path: Path, max_tokens: Sequence[int]) -> None:
 def batch_run(redis_url: str, source: Path, out: Path) -> subprocess.Popen[bytes]:
     args = [sys.executable, "-m", "tokenfleet.cli", "batch", "run", str(source), "-o", str(out)]
     args += ["--max-in-flight", "2", "--quiet", "--redis-url", redis_url]
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT back to its default in the child: a suite started in the background (`cmd &`
+    # in a script) inherits it ignored, and Python then never raises KeyboardInterrupt
+    return subprocess.Popen(
+        args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def output_lines(out: Path) -> list[dict[str, object]]:
