@@ -1,10 +1,12 @@
 """Shared fixtures: a real redis-server per test session (flushed per test), servers of a
-test's own, fakeredis, worker processes; and the fast tier's marker.
+test's own, a real Redis Cluster (one per session, flushed per test; a replicated one of
+a test's own), fakeredis, worker processes; and the fast tier's marker.
 
-Every redis-server here is the package's launcher, `tokenfleet.local.RedisServer`. A
-missing redis-server fails the run with a clear message: tests about streams,
-consumer groups, Lua and pub/sub must run against the real thing. Helpers live in the
-`tests.helpers` package (see its docstring).
+Every redis-server here is the package's launcher, `tokenfleet.local.RedisServer` (a
+cluster: `tokenfleet.local.RedisCluster`). A missing redis-server (or redis-cli, for a
+cluster) fails the run with a clear message: tests about streams, consumer groups, Lua
+and pub/sub must run against the real thing. Helpers live in the `tests.helpers`
+package (see its docstring).
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
 
 from tests.helpers.workers import Fleet
 from tokenfleet.errors import RedisServerNotFound
-from tokenfleet.local import RedisServer
+from tokenfleet.local import RedisCluster, RedisServer
 
 # The fast tier (`make test-fast` = `pytest -m fast`): modules of pure-core tests (plain
 # data, the model and engine in process, fakeredis) that start no redis-server and no
@@ -35,6 +38,7 @@ FAST_MODULES = frozenset(
         "test_batch_pacing.py",
         "test_chat.py",
         "test_compose.py",
+        "test_connect.py",
         "test_engine.py",
         "test_gguf_quants.py",
         "test_gguf_spm.py",
@@ -50,13 +54,16 @@ FAST_MODULES = frozenset(
         "test_runner_seam.py",
         "test_sampling.py",
         "test_scheduler.py",
+        "test_sim_runner.py",
         "test_structured.py",
         "test_telemetry.py",
         "test_threads.py",
         "test_tokenizer.py",
     }
 )
-REAL_REDIS_FIXTURES = frozenset({"redis_server", "own_redis", "aof_redis"})
+REAL_REDIS_FIXTURES = frozenset(
+    {"redis_server", "own_redis", "aof_redis", "redis_cluster", "replicated_cluster"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -66,7 +73,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.fast)
 
 
-def _started(server: RedisServer) -> RedisServer:
+Launched = TypeVar("Launched", RedisServer, RedisCluster)
+
+
+def _started(server: Launched) -> Launched:
     try:
         server.start()
     except RedisServerNotFound as exc:
@@ -109,6 +119,35 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A redis-server of this test's own, without persistence (restart, reconfigure,
     kill it freely: no other test shares it)."""
     yield from _private_redis(tmp_path, appendonly=False)
+
+
+@pytest.fixture(scope="session")
+def _session_cluster() -> Iterator[RedisCluster]:
+    cluster = _started(RedisCluster(masters=3))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_session_cluster: RedisCluster) -> RedisCluster:
+    """The session's 3-master Redis Cluster (`.url` is its `redis+cluster://` URL), every
+    master flushed before each test. Don't kill its nodes: use `replicated_cluster`."""
+    cluster = _session_cluster
+    assert cluster.ready(), f"the session's cluster is not healthy: {cluster.nodes()}"
+    for port in cluster.master_ports():
+        client = cluster.node_client(port)
+        client.flushall()
+        client.close()
+    return cluster
+
+
+@pytest.fixture
+def replicated_cluster() -> Iterator[RedisCluster]:
+    """A Redis Cluster of this test's own: 3 masters with a replica each (6 nodes). Kill
+    and restart its nodes freely (failover tests)."""
+    cluster = _started(RedisCluster(masters=3, replicas_per_master=1))
+    yield cluster
+    cluster.stop(kill=True)
 
 
 @pytest.fixture

@@ -674,6 +674,11 @@ def test_the_gateway_serves_completions_under_the_gateway_role(
                         chunks.append(json.loads(line.removeprefix("data: ")))
             text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
             assert text == whole.json()["choices"][0]["text"]
+            # /metrics reads the fleet-wide gauges (XLEN, XINFO GROUPS, ZCARD, heartbeats)
+            page = http.get("/metrics").text
+            waiting = 'tokenfleet_fleet_num_requests_waiting{band="default",model="default"} 0.0'
+            assert waiting in page, page
+            assert "tokenfleet_gateway_fleet_read_errors_total 0.0" in page
             # a batch, start to end: files, the batch state, the driver's lease and MGETs
             line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
             upload = http.post(

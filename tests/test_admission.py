@@ -91,7 +91,7 @@ def decide(
     return d.reason, d.message
 
 
-@pytest.mark.parametrize("prompt, new", [(0, 5), (5, 0), (-1, 5)])
+@pytest.mark.parametrize("prompt, new", [(0, 5), (5, -1), (-1, 5)])
 def test_invalid(adm: Admission, kv: BlockManager, prompt: int, new: int) -> None:
     reason, msg = decide(adm, kv, req(prompt=prompt, new=new))
     assert reason is AdmissionReason.REJECTED_INVALID

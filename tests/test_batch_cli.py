@@ -43,7 +43,7 @@ def write_requests(path: Path, max_tokens: Sequence[int]) -> None:
             "custom_id": "bad",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "default", "prompt": "x", "echo": True},
+            "body": {"model": "default", "prompt": "x", "best_of": 3},
         }
     )
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -30,7 +30,7 @@ from tokenfleet.protocol import (
     GenerationRequest,
     SamplingParams,
     TokenEvent,
-    decode_event,
+    decode_events,
     encode,
 )
 
@@ -80,7 +80,7 @@ def check_job(r: redis.Redis, follower: Follower) -> None:
     """Each index once, one finish event last, the streamed text = the stored result."""
     handle = follower.handle
     result = handle.result(timeout=60)
-    raw = [decode_event(f[b"m"]) for _id, f in r.xrange(KEYS.events(handle.id))]
+    raw = [e for _id, f in r.xrange(KEYS.events(handle.id)) for e in decode_events(f[b"m"])]
     finishes = [i for i, e in enumerate(raw) if isinstance(e, FinishEvent)]
     assert finishes == [len(raw) - 1], f"{handle.id}: finish events at {finishes} of {len(raw)}"
     tokens = [e for e in raw if isinstance(e, TokenEvent)]

@@ -34,7 +34,7 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "reasons"),  # names only
-    ("keys", "redis_errors", "backoff"),  # where things live, how Redis fails
+    ("keys", "redis_errors", "backoff", "connect"),  # where things live, how Redis fails
     ("lua", "protocol", "fleet", "kv"),  # the wire, the fleet's view, KV bookkeeping
     ("seam", "admission", "acl", "tenants", "config"),  # contracts, budgets, settings
     ("model",),  # torch models and the torch runner (implements the seam)

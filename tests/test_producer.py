@@ -130,7 +130,7 @@ def test_queue_cap_is_per_model_stream(r: redis.Redis) -> None:
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"prompt": "x", "max_new_tokens": 0}, "max_new_tokens"),
+        ({"prompt": "x", "max_new_tokens": -1}, "max_new_tokens"),
         ({"prompt": "x", "sampling": {"temperature": -1}}, "sampling.temperature"),
         ({"prompt": "x", "prompt_ids": [1]}, "exactly one"),
         ({"prompt_ids": [-1]}, "prompt_ids.0"),

@@ -245,7 +245,7 @@ def test_decoded_defaults_match_constructed_defaults() -> None:
         ("prompt", "中" * MAX_PROMPT_CHARS),
         ("prompt_ids", [MAX_TOKEN_ID] * MAX_PROMPT_TOKENS),
         ("max_new_tokens", MAX_NEW_TOKENS),
-        ("max_new_tokens", 1),
+        ("max_new_tokens", 0),  # prefill only
         ("stop", ["😀" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS),
         ("stop_token_ids", [0] * MAX_STOP_TOKEN_IDS),
         ("metadata", {"k" * MAX_METADATA_KEY_CHARS: "😀" * MAX_METADATA_VALUE_CHARS}),
@@ -397,7 +397,7 @@ INVALID_REQUEST_FIELDS: list[tuple[str, dict[str, Any], str]] = [
     ("max_new_tokens-str", {"max_new_tokens": "5"}, "max_new_tokens"),
     ("max_new_tokens-float", {"max_new_tokens": 5.0}, "max_new_tokens"),
     ("max_new_tokens-bool", {"max_new_tokens": True}, "max_new_tokens"),
-    ("max_new_tokens-0", {"max_new_tokens": 0}, "max_new_tokens"),
+    ("max_new_tokens-negative", {"max_new_tokens": -1}, "max_new_tokens"),
     ("max_new_tokens-neg", {"max_new_tokens": -5}, "max_new_tokens"),
     ("max_new_tokens-over", {"max_new_tokens": MAX_NEW_TOKENS + 1}, "max_new_tokens"),
     ("max_new_tokens-huge", {"max_new_tokens": 2**64 - 1}, "max_new_tokens"),
@@ -552,7 +552,7 @@ def test_constructing_an_invalid_message_raises_validation_error() -> None:
     with pytest.raises(ValidationError):
         GenerationRequest(prompt="x", prompt_ids=[1])
     with pytest.raises(ValidationError):
-        GenerationRequest(prompt="x", max_new_tokens=0)
+        GenerationRequest(prompt="x", max_new_tokens=-1)
 
 
 # --- fuzzing: nothing but ProtocolError ------------------------------------------

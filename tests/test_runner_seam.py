@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
-from tokenfleet.protocol import GenerationRequest, SamplingParams
+from tests.helpers.engine_runs import request, run_all
 from tokenfleet.reasons import FinishReason
 from tokenfleet.seam import DecodeStep, ModelSpec, ResolvedSampling, TickPlan
 from tokenfleet.worker.engine import Engine, EngineConfig
@@ -106,28 +106,6 @@ class PagedFakeRunner:
     def release(self, session_id: str) -> None:
         self.released.append(session_id)
         self.live.discard(session_id)
-
-
-def request(job_id: str, prompt: list[int], n: int, seed: int = 0) -> GenerationRequest:
-    return GenerationRequest(
-        job_id=job_id,
-        prompt_ids=prompt,
-        max_new_tokens=n,
-        ignore_eos=True,
-        sampling=SamplingParams(seed=seed),
-    )
-
-
-def run_all(engine: Engine) -> dict[str, list[int]]:
-    results: dict[str, list[int]] = {}
-    for _ in range(10_000):
-        if not engine.has_work:
-            break
-        for done in engine.step().finished:
-            results[done.job_id] = list(done.result.token_ids)
-            assert done.result.finish_reason is FinishReason.LENGTH, done.result
-    assert not engine.has_work
-    return results
 
 
 def test_batched_chunked_paged_outputs_equal_the_reference() -> None:

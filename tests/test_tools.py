@@ -175,6 +175,17 @@ def test_a_call_cut_short_or_to_an_unknown_function_stays_content() -> None:
         assert split_calls(ToolFormat.HERMES, text, TOOLS, "j").content == text
 
 
+def test_whole_calls_before_one_the_length_cut_are_kept() -> None:
+    whole = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+    text = whole + whole + '<tool_call>\n{"name": "add", "argu'
+    split = split_calls(ToolFormat.HERMES, text, TOOLS, "j")
+    assert [c.arguments for c in split.calls] == ['{"a": 1, "b": 2}'] * 2
+    assert split.content is None
+    stream = CallStream(ToolFormat.HERMES, TOOLS, "j")
+    shown = "".join(stream.feed(text[i : i + 5]) for i in range(0, len(text), 5))
+    assert shown == "" and stream.finish() == ("", split.calls)
+
+
 def test_call_ids_are_the_same_on_every_read_and_differ_per_call() -> None:
     text = answers(ToolFormat.HERMES)["two"]
     first = split_calls(ToolFormat.HERMES, text, TOOLS, "job-a").calls

@@ -35,7 +35,7 @@ from tokenfleet.protocol import (
     GenerationRequest,
     JobResult,
     TokenEvent,
-    decode_event,
+    decode_events,
     encode,
 )
 from tokenfleet.reasons import FinishReason
@@ -70,7 +70,7 @@ def greedy_jobs(prefix: str, count: int, seed: int, low: int = 4, high: int = 40
 
 def replay(r: redis.Redis, job_id: str) -> list[TokenEvent | FinishEvent]:
     """The job's raw replay stream, decoded, in stream order."""
-    return [decode_event(fields[b"m"]) for _id, fields in r.xrange(KEYS.events(job_id))]
+    return [e for _id, f in r.xrange(KEYS.events(job_id)) for e in decode_events(f[b"m"])]
 
 
 def check_replay(r: redis.Redis, job_id: str, *, exactly_once: bool = True) -> FinishEvent:
@@ -612,10 +612,10 @@ def test_lost_replies_and_failed_terminal_writes_lose_no_job(
             inject("read")  # the entries are pending to this worker; the reply is lost
         return got
 
-    def tick(writes: Any, pipe: Any) -> None:
+    def tick(writes: Any, pipe: Any) -> Any:
         if any(w.end is not None for w in writes):
             inject("tick before")  # nothing of this tick reaches Redis
-        real_tick(writes, pipe)
+        return real_tick(writes, pipe)
 
     def parse_tick(reply: Any) -> Any:
         parsed = real_parse(reply)

@@ -22,7 +22,7 @@ from tokenfleet.protocol import (
     ErrorInfo,
     FinishEvent,
     TokenEvent,
-    decode_event,
+    decode_events,
     decode_request,
     decode_result,
     encode,
@@ -68,7 +68,7 @@ def _tokens(job_id: str, indices: range) -> list[TokenEvent]:
 
 
 def events(r: redis.Redis, job_id: str) -> list[TokenEvent | FinishEvent]:
-    return [decode_event(fields[b"m"]) for _id, fields in r.xrange(KEYS.events(job_id))]
+    return [e for _id, f in r.xrange(KEYS.events(job_id)) for e in decode_events(f[b"m"])]
 
 
 def finish_events(r: redis.Redis, job_id: str) -> list[FinishEvent]:

@@ -125,6 +125,7 @@ GATEWAY = Role(
         "client|setname": "names its connections on connect (CLIENT LIST); refused = no connection",
         "hgetall": "worker hashes for /v1/models and /health; a batch's results",
         "mget": "the batch driver: the results of a batch's jobs, in one call",
+        "xinfo|groups": "/metrics: each band's pending jobs (waiting = XLEN - pending)",
         "zrevrange": "/v1/files: newest files first",
         "zrevrangebyscore": "/v1/batches: newest batches first, paginated",
         "zscore": "/v1/batches?after=: where the page starts",

@@ -26,9 +26,28 @@ def _fields(raw: dict[Any, Any]) -> dict[str, str]:
 
 
 def list_dead_letters(client: redis.Redis, keys: Keys, count: int = 20) -> list[dict[str, Any]]:
-    """The newest `count` dead letters, without their payloads."""
-    entries = client.xrevrange(keys.dead_letters(), "+", "-", count=count)
-    return [{"id": text(entry_id), **_fields(raw)} for entry_id, raw in entries]
+    """The newest `count` dead letters (of every partition), without their payloads."""
+    entries = [
+        entry
+        for p in keys.partitions_all
+        for entry in client.xrevrange(keys.dead_letters(p), "+", "-", count=count)
+    ]
+    entries.sort(key=lambda e: _id_order(text(e[0])), reverse=True)
+    return [{"id": text(entry_id), **_fields(raw)} for entry_id, raw in entries[:count]]
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _find(client: redis.Redis, keys: Keys, entry_id: str) -> tuple[str, Any]:
+    """The dead-letter stream holding `entry_id`, and the entry (TokenfleetError if none)."""
+    for p in keys.partitions_all:
+        found = client.xrange(keys.dead_letters(p), entry_id, entry_id)
+        if found:
+            return keys.dead_letters(p), found[0]
+    raise TokenfleetError(f"no dead letter {entry_id} in {keys.dead_letters()}")
 
 
 def requeue_dead_letter(
@@ -40,10 +59,8 @@ def requeue_dead_letter(
     afresh; its payload must still decode (garbage entries cannot be requeued), and
     the job must not be live (a duplicate's job may still be queued or running).
     Raises QueueFull like any submit."""
-    found = client.xrange(keys.dead_letters(), entry_id, entry_id)
-    if not found:
-        raise TokenfleetError(f"no dead letter {entry_id} in {keys.dead_letters()}")
-    payload = found[0][1].get(b"payload", b"")
+    stream_of_letter, letter = _find(client, keys, entry_id)
+    payload = letter[1].get(b"payload", b"")
     try:
         request = decode_request(payload)
     except ProtocolError as exc:
@@ -59,5 +76,5 @@ def requeue_dead_letter(
         )
     client.delete(keys.job(job), keys.result(job), keys.events(job), keys.cancel(job))
     Producer(client, keys=keys, default_cap=default_cap).submit(request)
-    client.xdel(keys.dead_letters(), entry_id)
+    client.xdel(stream_of_letter, entry_id)
     return job

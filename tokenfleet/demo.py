@@ -20,6 +20,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 from rich.text import Text
 
+from tokenfleet.connect import connect
 from tokenfleet.errors import TokenfleetError
 from tokenfleet.fleet import read_workers
 from tokenfleet.keys import Keys
@@ -141,7 +142,7 @@ def _produce(
     console: Console | None,
     followers: list[threading.Thread],
 ) -> None:
-    producer = Producer(redis.Redis.from_url(url), keys=keys)
+    producer = Producer(connect(url), keys=keys)
     for i in range(count):
         seed = producer_no * 1000 + i
         if chat:  # a question in the model's own chat template; it ends when it is done
@@ -232,7 +233,7 @@ def run_demo(
     chat = model != RANDOM_MODEL
     with redis_for(redis_url) as (url, kind):
         console.print(f"redis: {url} ({kind}); model: {model}")
-        client = redis.Redis.from_url(url)
+        client = connect(url)
         fleet = LocalWorkers(url, prefix, _worker_args(model, chat))
         fleet.start(workers, name_prefix="demo")
         try:

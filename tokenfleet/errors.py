@@ -113,10 +113,18 @@ class InvalidRequest(TokenfleetError, ValueError):
 
 class RedisServerNotFound(TokenfleetError):
     """A local fleet (`tokenfleet demo`, `up --embedded`) runs the real redis-server, and
-    it is not on PATH."""
+    it is not on PATH (or, for a local Redis Cluster, `redis-cli` is not: `binary`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, binary: str = "redis-server") -> None:
+        package = "redis-tools" if binary == "redis-cli" else "redis-server"
         super().__init__(
-            "redis-server is not on PATH: install it (Debian/Ubuntu: apt-get install"
-            " redis-server; macOS: brew install redis) or point --redis-url at a running Redis"
+            f"{binary} is not on PATH: install it (Debian/Ubuntu: apt-get install"
+            f" {package}; macOS: brew install redis) or point --redis-url at a running Redis"
         )
+        self.binary = binary
+
+
+class InvalidRedisUrl(TokenfleetError, ValueError):
+    """A Redis URL tokenfleet cannot connect with: an unknown scheme, or a cluster URL
+    (`redis+cluster://`, `rediss+cluster://`) with no host, a bad port or a db other than
+    0. The message names the part; it never repeats the URL (which may hold a password)."""

@@ -248,12 +248,14 @@ class QueueStats(TypedDict):
     consumers: int
 
 
-def _queue_band(pipe: Any, stream: str) -> None:
+def queue_band(pipe: Any, stream: str) -> None:
+    """Queue one stream's XLEN and XINFO GROUPS on `pipe` (a sync or an asyncio
+    pipeline, executed with raise_on_error=False); `decode_band` reads the two replies."""
     pipe.xlen(stream)
     pipe.xinfo_groups(stream)
 
 
-def _band_stats(depth: Any, groups: Any) -> QueueStats:
+def decode_band(depth: Any, groups: Any) -> QueueStats:
     """One stream's stats from its XLEN and XINFO GROUPS replies (or the errors Redis
     answered in their place): a stream or group that does not exist yet is empty."""
     if isinstance(depth, Exception):
@@ -272,6 +274,14 @@ def _band_stats(depth: Any, groups: Any) -> QueueStats:
     return stats
 
 
+def waiting_jobs(stats: QueueStats) -> int:
+    """Jobs of the band no worker has pulled yet: depth − pending. Exact, because workers
+    delete an entry when they finish it; never `lag`, which XINFO GROUPS reports as NULL
+    after some of the workers' deletes (tests/test_keda_signals.py). Pending may briefly
+    count an entry whose data was deleted, hence the floor at 0."""
+    return max(0, stats["depth"] - stats["pending"])
+
+
 def band_stats(
     client: redis.Redis,
     keys: Keys,
@@ -280,16 +290,30 @@ def band_stats(
 ) -> dict[str, dict[str, QueueStats]]:
     """How full each of `bands` (all of them, highest first, unless told) of every
     model's jobs streams is, from XLEN and XINFO GROUPS, in one round trip: model ->
-    band -> stats, in the order asked. A stream that does not exist yet is empty."""
-    plan = [(model, band) for model in models for band in bands]
+    band -> stats, in the order asked, summed over the queue's partitions. A stream that
+    does not exist yet is empty."""
+    plan = [(m, b, p) for m in models for b in bands for p in keys.partitions_all]
     pipe = client.pipeline(transaction=False)
-    for model, band in plan:
-        _queue_band(pipe, keys.jobs(model, band))
+    for model, band, part in plan:
+        queue_band(pipe, keys.jobs(model, band, part))
     replies = pipe.execute(raise_on_error=False)
     out: dict[str, dict[str, QueueStats]] = {}
-    for i, (model, band) in enumerate(plan):
-        out.setdefault(model, {})[band] = _band_stats(replies[2 * i], replies[2 * i + 1])
+    for i, (model, band, _) in enumerate(plan):
+        stats = decode_band(replies[2 * i], replies[2 * i + 1])
+        known = out.setdefault(model, {}).get(band)
+        out[model][band] = stats if known is None else added(known, stats)
     return out
+
+
+def added(a: QueueStats, b: QueueStats) -> QueueStats:
+    """Two partitions' stats of one band as one: counts add, `lag` is None if either's is."""
+    lag = None if a["lag"] is None or b["lag"] is None else a["lag"] + b["lag"]
+    return QueueStats(
+        depth=a["depth"] + b["depth"],
+        lag=lag,
+        pending=a["pending"] + b["pending"],
+        consumers=max(a["consumers"], b["consumers"]),
+    )
 
 
 class FleetReader:

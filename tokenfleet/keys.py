@@ -13,14 +13,22 @@ Every job belongs to a tenant (``default`` unless it names one). A tenant's queu
 and running jobs of a model are sorted sets of job ids, so their limits are checked
 in the same script that adds or starts the job, and a job counted twice is counted once.
 
-Redis Cluster note: the submit script touches the jobs stream, its cap and the
-job's state key together, so on a cluster they would need one hash slot; the
-fleet targets a single Redis (with a replica) today.
+Partitions (Redis Cluster): every script call touches the keys of ONE hash slot, so a
+fleet that spreads over a cluster splits each model's queue into `partitions` P. A job
+lives in partition `crc32(job id) mod P` (`partition_of`: its id says where, so an
+idempotent resubmit finds it), and every key a script touches for it carries the
+partition's hash tag ``{pN}``: the band streams and their cap and guard counts, the
+job's own keys, its tenant's sets and limits, the dead letters. With P = 1 on a single
+Redis (the default) no key has a tag: the names are those of a fleet before partitions
+(``tagged`` forces tags with P = 1, for a cluster). The registries scripts write (models,
+tenants) and what operators set for every partition (caps, tenant limits) have one copy
+per partition; readers take partition 0's or the union (`partitions_all`).
 """
 
 from __future__ import annotations
 
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -75,11 +83,13 @@ _TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 @dataclass(frozen=True)
 class Band:
     """One priority band of one model's queue: what a job asks for (`name`), where it
-    stands (`rank`, its place in BANDS: 0 first) and the stream its jobs wait in."""
+    stands (`rank`, its place in BANDS: 0 first) and the stream its jobs wait in (of
+    queue partition `partition`)."""
 
     name: Priority
     rank: int
     stream: str
+    partition: int = 0
 
 
 def band_rank(name: str) -> int:
@@ -99,79 +109,126 @@ def _tenant(name: str) -> str:
     return name
 
 
+MAX_PARTITIONS = 1024  # queue partitions of a fleet (one hash tag each)
+
+
 @dataclass(frozen=True)
 class Keys:
-    """Key names for one fleet. `prefix` usually ends with ':'."""
+    """Key names for one fleet. `prefix` usually ends with ':'. `partitions`: how many
+    parts each model's queue is split into (module docstring); `tagged`: hash-tag the
+    partitioned keys even with one partition (a fleet on Redis Cluster)."""
 
     prefix: str = DEFAULT_PREFIX
+    partitions: int = 1
+    tagged: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.partitions <= MAX_PARTITIONS:
+            raise ValueError(f"partitions must be in 1..{MAX_PARTITIONS}, got {self.partitions}")
+        if self.is_tagged and ("{" in self.prefix or "}" in self.prefix):
+            raise ValueError(f"a partitioned fleet's prefix may not hold braces: {self.prefix!r}")
+
+    @property
+    def is_tagged(self) -> bool:
+        """Whether partitioned keys carry a hash tag (a partitioned or clustered fleet)."""
+        return self.tagged or self.partitions > 1
+
+    def partition_of(self, job_id: str) -> int:
+        """The queue partition a job lives in: crc32 (IEEE, zlib's) of its id's UTF-8
+        bytes, mod `partitions`: any client in any language computes the same."""
+        if self.partitions == 1:
+            return 0
+        return zlib.crc32(_checked(job_id).encode()) % self.partitions
+
+    @property
+    def partitions_all(self) -> range:
+        return range(self.partitions)
+
+    def _at(self, partition: int) -> str:
+        """The prefix of partition `partition`'s keys: `<prefix>{pN}:` when tagged."""
+        if not 0 <= partition < self.partitions:
+            raise ValueError(f"partition {partition} is not in 0..{self.partitions - 1}")
+        return f"{self.prefix}{{p{partition}}}:" if self.is_tagged else self.prefix
+
+    def _of_job(self, job_id: str) -> str:
+        return self._at(self.partition_of(job_id))
 
     # --- the queue -------------------------------------------------------
-    def jobs(self, model: str | None = None, band: str = DEFAULT_BAND) -> str:
-        """Stream of accepted, unfinished jobs of one priority band. No TTL; never trimmed
-        (XLEN = that band's depth). The default band has no suffix."""
+    def jobs(self, model: str | None = None, band: str = DEFAULT_BAND, partition: int = 0) -> str:
+        """Stream of accepted, unfinished jobs of one priority band (of one partition). No
+        TTL; never trimmed (XLEN = that band's depth). The default band has no suffix."""
         band_rank(band)  # a known band, or a named error
-        base = f"{self.prefix}jobs:{model or DEFAULT_MODEL}"
+        base = f"{self._at(partition)}jobs:{model or DEFAULT_MODEL}"
         return base if band == DEFAULT_BAND else f"{base}@{band}"
 
-    def bands(self, model: str | None = None) -> tuple[Band, ...]:
-        """The model's bands with their jobs streams, highest first (the order workers
-        pull in)."""
-        return tuple(Band(name, rank, self.jobs(model, name)) for rank, name in enumerate(BANDS))
+    def bands(self, model: str | None = None, partition: int = 0) -> tuple[Band, ...]:
+        """The model's bands (of one partition) with their jobs streams, highest first
+        (the order workers pull in)."""
+        return tuple(
+            Band(name, rank, self.jobs(model, name, partition), partition)
+            for rank, name in enumerate(BANDS)
+        )
 
-    def queue_cap(self, model: str | None = None) -> str:
-        """String: the cap of each of the model's bands, shared by every producer. No TTL;
-        absent = default."""
-        return f"{self.jobs(model)}:cap"
+    def queue_cap(self, model: str | None = None, partition: int = 0) -> str:
+        """String: the cap of each of the model's bands, shared by every producer (one
+        copy per partition, each the cap of that partition's streams). No TTL; absent =
+        default."""
+        return f"{self.jobs(model, partition=partition)}:cap"
 
-    def pulls(self, model: str | None = None) -> str:
+    def pulls(self, model: str | None = None, partition: int = 0) -> str:
         """Hash: band -> jobs pulled from higher bands while it waited (the starvation
-        guard's count, lua/pull.lua). No TTL."""
-        return f"{self.prefix}pulls:{model or DEFAULT_MODEL}"
+        guard's count, lua/pull.lua; per partition). No TTL."""
+        return f"{self._at(partition)}pulls:{model or DEFAULT_MODEL}"
 
-    def models(self) -> str:
-        """Set of model names that have had a jobs stream. No TTL."""
-        return f"{self.prefix}models"
+    def models(self, partition: int = 0) -> str:
+        """Set of model names that have had a jobs stream (per partition). No TTL."""
+        return f"{self._at(partition)}models"
 
-    # --- one job ---------------------------------------------------------
+    # --- one job: all in its partition -------------------------------------
     def job(self, job_id: str) -> str:
         """Hash: status, stream, entry id, submitted_at, worker, finish reason. JOB_STATE_TTL_S."""
-        return f"{self.prefix}job:{_checked(job_id)}"
+        return f"{self._of_job(job_id)}job:{_checked(job_id)}"
 
     def events(self, job_id: str) -> str:
         """Stream: the job's events (msgpack in field 'm'), for replay. EVENTS_TTL_S."""
-        return f"{self.prefix}job:{_checked(job_id)}:events"
+        return f"{self.job(job_id)}:events"
 
     def channel(self, job_id: str) -> str:
         """Pub/sub channel: the same events, live (at most once)."""
-        return f"{self.prefix}job:{_checked(job_id)}:live"
+        return f"{self.job(job_id)}:live"
 
     def result(self, job_id: str) -> str:
         """String: msgpack JobResult. RESULT_TTL_S."""
-        return f"{self.prefix}job:{_checked(job_id)}:result"
+        return f"{self.job(job_id)}:result"
 
     def cancel(self, job_id: str) -> str:
         """String flag '1': the client asked to cancel. CANCEL_TTL_S."""
-        return f"{self.prefix}job:{_checked(job_id)}:cancel"
+        return f"{self.job(job_id)}:cancel"
 
     # --- tenants -----------------------------------------------------------
-    def tenant_queued(self, tenant: str, model: str | None = None) -> str:
+    def tenant_queued(self, tenant: str, model: str | None = None, partition: int = 0) -> str:
         """Sorted set: the tenant's jobs of `model` waiting in a stream (id -> submit
-        time). Added by submit.lua, removed when a worker starts the job. No TTL."""
-        return f"{self.prefix}tenant:{_tenant(tenant)}:queued:{model or DEFAULT_MODEL}"
+        time), of one partition. Added by submit.lua, removed when a worker starts the
+        job. No TTL."""
+        return f"{self._at(partition)}tenant:{_tenant(tenant)}:queued:{model or DEFAULT_MODEL}"
 
-    def tenant_running(self, tenant: str, model: str | None = None) -> str:
+    def tenant_running(self, tenant: str, model: str | None = None, partition: int = 0) -> str:
         """Sorted set: the tenant's jobs of `model` a worker has started and not finished
-        (id -> start time). Added by accept.lua, removed by the job's terminal write."""
-        return f"{self.prefix}tenant:{_tenant(tenant)}:running:{model or DEFAULT_MODEL}"
+        (id -> start time), of one partition. Added by accept.lua, removed by the job's
+        terminal write. No TTL."""
+        return f"{self._at(partition)}tenant:{_tenant(tenant)}:running:{model or DEFAULT_MODEL}"
 
-    def tenant_limits(self, tenant: str | None = None) -> str:
+    def tenant_limits(self, tenant: str | None = None, partition: int = 0) -> str:
         """Hash: a tenant's limits (`queued_share`, `max_running`); None = the limits of
-        every tenant without its own (`tenant:*:limits`). No TTL; set by operators."""
-        return f"{self.prefix}tenant:{'*' if tenant is None else _tenant(tenant)}:limits"
+        every tenant without its own (`tenant:*:limits`). One copy per partition. No TTL;
+        set by operators."""
+        name = "*" if tenant is None else _tenant(tenant)
+        return f"{self._at(partition)}tenant:{name}:limits"
 
-    def tenants(self) -> str:
-        """Set of tenant names that have submitted a job or been given limits. No TTL."""
-        return f"{self.prefix}tenants"
+    def tenants(self, partition: int = 0) -> str:
+        """Set of tenant names that have submitted a job or been given limits (per
+        partition). No TTL."""
+        return f"{self._at(partition)}tenants"
 
     # --- the fleet -------------------------------------------------------
     def worker(self, name: str) -> str:
@@ -185,15 +242,24 @@ class Keys:
     def probe(self, worker: str) -> str:
         """Prefix of the throwaway keys a worker's start-up permission check uses (deleted
         by the same script; EXPIRE 10 s on the ones that could outlive it)."""
-        return f"{self.prefix}probe:{worker}"
+        return f"{self._at(0)}probe:{worker}"  # one slot: probe.lua's keys together
 
     def telemetry_channel(self) -> str:
         """Pub/sub channel: every worker's telemetry, about once a second (JSON)."""
         return f"{self.prefix}telemetry"
 
-    def dead_letters(self) -> str:
-        """Stream: jobs/entries that could not be served, with the reason. ~DEAD_LETTERS_MAXLEN."""
-        return f"{self.prefix}dead"
+    def dead_letters(self, partition: int = 0) -> str:
+        """Stream: jobs/entries that could not be served, with the reason (per partition).
+        ~DEAD_LETTERS_MAXLEN."""
+        return f"{self._at(partition)}dead"
+
+    def alive(self, worker: str, partition: int = 0) -> str:
+        """A worker's heartbeat as claim_orphans.lua reads it: the worker hash itself, or,
+        in a tagged fleet (where a script may touch one slot only), a flag per partition
+        the heartbeat refreshes with it. WORKER_TTL_S."""
+        if not self.is_tagged:
+            return self.worker(worker)
+        return f"{self._at(partition)}alive:{worker}"
 
     # --- the Batch API's files and batches (batch/store.py) -----------------
     # Ids are the store's (`file_…`, `batch_…`) or what a client asked for: unchecked, so

@@ -4,7 +4,8 @@ processes.
 Used by `tokenfleet demo`, `tokenfleet up --embedded`, bench/ and the tests. The Redis
 is always the real `redis-server` (the fleet's Lua scripts, streams and pub/sub are
 the product, so a local fleet runs on the real thing): one not on PATH is
-`RedisServerNotFound`, which says what to install.
+`RedisServerNotFound`, which says what to install. `RedisCluster` is a local Redis
+Cluster of such servers (joined with `redis-cli`), for cluster-mode tests.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 
+from tokenfleet.connect import connect
 from tokenfleet.errors import RedisServerNotFound
 from tokenfleet.fleet import decode_worker, read_workers
 from tokenfleet.keys import DEFAULT_PREFIX, Keys
@@ -37,19 +40,21 @@ def free_port() -> int:
 
 
 def wait_until_up(url: str, timeout: float = 20.0) -> None:
-    client = redis.Redis.from_url(url)
+    """Until the Redis (or Redis Cluster) at `url` answers a PING (its ConnectionError
+    after `timeout` seconds)."""
     deadline = time.monotonic() + timeout
-    try:
-        while True:
+    while True:
+        try:
+            client = connect(url)  # a cluster client reads the slot map here
             try:
                 client.ping()
                 return
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-    finally:
-        client.close()
+            finally:
+                client.close()
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 @dataclass
@@ -60,11 +65,13 @@ class RedisServer:
     temp dir of its own that `stop` removes. Nothing is saved unless `appendonly`
     (which needs a `dir`: the AOF outlives a `stop`, so `restart` finds the data again).
     A full server refuses writes (`noeviction`): the fleet's keys are never evicted.
-    `stop` and `start` keep the port, as a restarted Redis does for its clients."""
+    `stop` and `start` keep the port, as a restarted Redis does for its clients.
+    `args` are more redis-server arguments (a cluster node's, for `RedisCluster`)."""
 
     port: int = field(default_factory=free_port)
     dir: Path | None = None
     appendonly: bool = False
+    args: Sequence[str] = ()
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
@@ -102,7 +109,7 @@ class RedisServer:
             workdir = Path(self._tmp.name)
         args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir)]
         args += ["--save", "", "--appendonly", "yes" if self.appendonly else "no"]
-        args += ["--maxmemory-policy", "noeviction", "--loglevel", "warning"]
+        args += ["--maxmemory-policy", "noeviction", "--loglevel", "warning", *self.args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port)
         deadline = time.monotonic() + timeout
@@ -141,6 +148,261 @@ class RedisServer:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+
+CLUSTER_SLOTS = 16384
+
+
+@dataclass(frozen=True)
+class ClusterNodeView:
+    """One node of a `RedisCluster` as the cluster sees it (a live node's CLUSTER NODES).
+
+    `master_port` is a replica's master (None for a master); `slots` are a master's slot
+    ranges, both ends included; `failed` is the asked node's `fail` / `fail?` flag."""
+
+    port: int
+    node_id: str
+    master: bool
+    master_port: int | None
+    slots: tuple[tuple[int, int], ...]
+    failed: bool
+
+    def serves(self, slot: int) -> bool:
+        return any(lo <= slot <= hi for lo, hi in self.slots)
+
+
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports (held open together while they are picked)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+
+
+def _parse_cluster_nodes(text: str) -> list[ClusterNodeView]:
+    """CLUSTER NODES' lines: `id ip:port@bus flags master-id ping pong epoch link slot...`."""
+    rows = [line.split() for line in text.splitlines() if line.strip()]
+    port_of = {row[0]: int(row[1].split("@")[0].rsplit(":", 1)[1]) for row in rows}
+    views = []
+    for row in rows:
+        node_id, flags, master_id = row[0], set(row[2].split(",")), row[3]
+        slots = []
+        for item in row[8:]:  # row[4:8]: ping sent, pong received, config epoch, link
+            if item.startswith("["):
+                continue  # a slot being migrated or imported
+            lo, _, hi = item.partition("-")
+            slots.append((int(lo), int(hi or lo)))
+        views.append(
+            ClusterNodeView(
+                port=port_of[node_id],
+                node_id=node_id,
+                master="master" in flags,
+                master_port=port_of.get(master_id) if master_id != "-" else None,
+                slots=tuple(slots),
+                failed=bool(flags & {"fail", "fail?"}),
+            )
+        )
+    return sorted(views, key=lambda view: view.port)
+
+
+@dataclass
+class RedisCluster:
+    """A Redis Cluster on 127.0.0.1: `masters` masters (at least 3) with
+    `replicas_per_master` replicas each, every node a `RedisServer` child process.
+
+    Each node has two free ports (clients, and the cluster bus: `--cluster-port`) and
+    keeps its files (`nodes-PORT.conf`, and an AOF with `appendonly`) in its own folder
+    of a temp dir that `stop` removes. `start` launches the nodes, joins them with
+    `redis-cli --cluster create` and returns when the cluster is `ready` (below); ~3 s.
+    `kill(port)` SIGKILLs one node (a failover test), `start_node(port)` runs it again
+    from its nodes.conf, so it rejoins (as a replica if its slots failed over meanwhile).
+    A silent node is failed over after `node_timeout_ms` (cluster-node-timeout)."""
+
+    masters: int = 3
+    replicas_per_master: int = 0
+    node_timeout_ms: int = 2000
+    appendonly: bool = False
+    servers: dict[int, RedisServer] = field(default_factory=dict)
+    start_s: float | None = None  # how long the last `start` took, to ready
+    _tmp: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.masters < 3:
+            raise ValueError("a Redis Cluster needs at least 3 masters")
+        if self.replicas_per_master < 0:
+            raise ValueError("replicas_per_master must be ≥ 0")
+
+    @classmethod
+    def launch(cls, masters: int = 3, replicas_per_master: int = 0) -> RedisCluster:
+        """A started cluster on free ports."""
+        cluster = cls(masters=masters, replicas_per_master=replicas_per_master)
+        cluster.start()
+        return cluster
+
+    @property
+    def size(self) -> int:
+        return self.masters * (1 + self.replicas_per_master)
+
+    @property
+    def ports(self) -> list[int]:
+        """Every node's client port, in the order `redis-cli --cluster create` got them."""
+        return list(self.servers)
+
+    @property
+    def url(self) -> str:
+        """`redis+cluster://127.0.0.1:P1,127.0.0.1:P2,...`: every node a startup node."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.servers)
+
+    # ---- start and stop ------------------------------------------------------------------
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Launch the nodes, create the cluster and wait until it is ready
+        (RedisServerNotFound without redis-server or redis-cli, RuntimeError if
+        `--cluster create` fails, TimeoutError after `timeout` seconds)."""
+        assert not any(s.proc for s in self.servers.values()), "this cluster is running"
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise RedisServerNotFound("redis-cli")
+        began = time.monotonic()
+        deadline = began + timeout
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="tokenfleet-cluster-")
+        ports = _free_ports(2 * self.size)
+        self.servers = {}
+        try:
+            for port, bus in zip(ports[: self.size], ports[self.size :], strict=True):
+                folder = Path(self._tmp.name) / str(port)
+                folder.mkdir()
+                node_args = ["--cluster-enabled", "yes", "--cluster-port", str(bus)]
+                node_args += ["--cluster-config-file", f"nodes-{port}.conf"]
+                node_args += ["--cluster-node-timeout", str(self.node_timeout_ms)]
+                # a replica's first sync starts at once (the default waits 5 s for others)
+                node_args += ["--repl-diskless-sync-delay", "0"]
+                self.servers[port] = server = RedisServer(
+                    port=port, dir=folder, appendonly=self.appendonly, args=node_args
+                )
+                server.start(timeout=max(1.0, deadline - time.monotonic()))
+            create = [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.servers)]
+            create += ["--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"]
+            done = subprocess.run(
+                create,
+                capture_output=True,
+                text=True,
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout[-2000:]}")
+            self.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+            roles = [view.master for view in self.nodes()]
+            assert roles.count(True) == self.masters, f"cluster roles: {self.nodes()}"
+            self.start_s = time.monotonic() - began
+        except BaseException:
+            self.stop(kill=True)
+            raise
+
+    def stop(self, kill: bool = False) -> None:
+        """End every node (SIGTERM; SIGKILL with `kill`) and remove the temp dir."""
+        for server in self.servers.values():
+            server.stop(kill=kill)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (and reap it); the others fail it over after the timeout."""
+        self.servers[port].stop(kill=True)
+
+    def start_node(self, port: int, timeout: float = 20.0) -> None:
+        """Run a stopped node again: it rejoins from its nodes.conf (not waited for)."""
+        self.servers[port].start(timeout=timeout)
+
+    def running(self) -> list[int]:
+        """Ports of the nodes whose process runs."""
+        return [port for port, server in self.servers.items() if server.proc is not None]
+
+    # ---- the cluster's view --------------------------------------------------------------
+
+    def node_client(self, port: int) -> redis.Redis:
+        """A plain client of one node (its own keys only; close it)."""
+        return redis.Redis(port=port, socket_timeout=5)
+
+    def _ask(self, port: int, *command: str) -> Any:
+        client = self.node_client(port)
+        try:
+            return client.execute_command(*command, NEVER_DECODE=True)
+        finally:
+            client.close()
+
+    def nodes(self, port: int | None = None) -> list[ClusterNodeView]:
+        """Every node as node `port` (default: the first running one) sees it, by port."""
+        asked = port if port is not None else self.running()[0]
+        return _parse_cluster_nodes(self._ask(asked, "CLUSTER", "NODES").decode())
+
+    def master_ports(self) -> list[int]:
+        """Ports of the masters that serve slots now (a failed-over master serves none)."""
+        return [view.port for view in self.nodes() if view.master and view.slots]
+
+    def master_for(self, key: str | bytes) -> int:
+        """Port of the master that serves `key`'s slot now."""
+        slot = key_slot(key.encode() if isinstance(key, str) else key)
+        for view in self.nodes():
+            if view.master and not view.failed and view.serves(slot):
+                return view.port
+        raise LookupError(f"no live master serves slot {slot}")
+
+    def ready(self) -> bool:
+        """Whether every running node says `cluster_state:ok` with all 16384 slots
+        served and every node known, all running nodes agree on who serves which slots
+        and which replica follows which master, every slot's master is running (a killed
+        master's slots have failed over), and every running replica of a running master
+        has synced with it."""
+        running = self.running()
+        views = []
+        try:
+            for port in running:
+                info = dict(
+                    line.split(":", 1)
+                    for line in self._ask(port, "CLUSTER", "INFO").decode().splitlines()
+                    if ":" in line
+                )
+                if info.get("cluster_state") != "ok":
+                    return False
+                if int(info.get("cluster_slots_ok", 0)) != CLUSTER_SLOTS:
+                    return False
+                if int(info.get("cluster_known_nodes", 0)) != len(self.servers):
+                    return False
+                views.append(self.nodes(port))
+            shapes = {tuple((v.port, v.master_port, v.slots) for v in view) for view in views}
+            if len(shapes) != 1:
+                return False
+            if any(view.slots and view.port not in running for view in views[0]):
+                return False  # a stopped master's slots not failed over yet
+            for view in views[0]:
+                if view.master_port is not None and view.port in running:
+                    if view.master_port not in running:
+                        continue
+                    client = self.node_client(view.port)
+                    try:
+                        if client.info("replication").get("master_link_status") != "up":
+                            return False
+                    finally:
+                        client.close()
+        except redis.RedisError:
+            return False
+        return True
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until `ready` (TimeoutError, with the first node's view, after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                try:
+                    seen: object = self.nodes()
+                except (redis.RedisError, IndexError) as exc:  # no node answers
+                    seen = exc
+                raise TimeoutError(f"Redis Cluster not ready after {timeout:g}s: {seen}")
+            time.sleep(0.05)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -331,7 +593,7 @@ class LocalWorkers:
 
     def _redis(self) -> redis.Redis:
         if self._client is None:
-            self._client = redis.Redis.from_url(self.redis_url)
+            self._client = connect(self.redis_url)
         return self._client
 
 

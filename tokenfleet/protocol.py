@@ -44,6 +44,12 @@ SCHEMA_VERSION: Final = 1
 
 # Hard limits. Changing one is a protocol change: update docs/protocol.md.
 MAX_PAYLOAD_BYTES = 1024 * 1024  # one encoded job: room for every field at its limit
+# one replay entry or live message: a job's events of up to MAX_STREAM_INTERVAL ticks,
+# coalesced (their encodings back to back), a prompt's echo among them
+MAX_EVENTS_PAYLOAD_BYTES = 8 * 1024 * 1024
+MAX_STREAM_INTERVAL = 64  # ticks a worker may hold a job's token events back
+# prompt tokens x (sampling.prompt_logprobs + 1): what one job's echo may carry
+MAX_PROMPT_LOGPROB_ENTRIES = 64 * 1024
 MAX_PROMPT_CHARS = 64 * 1024  # prompt text, in characters
 MAX_PROMPT_TOKENS = 16 * 1024  # prompt_ids length
 MAX_NEW_TOKENS = 8192
@@ -102,6 +108,7 @@ _SAMPLING_OFF: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "logit_bias": {},
     "logprobs": None,
+    "prompt_logprobs": None,
 }
 
 
@@ -125,6 +132,9 @@ class SamplingParams(_Message):
     logit_bias: dict[str, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS)
     # None: no logprobs; 0: each token's own; k: and the k most likely (TokenEvent.logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # None: none; k: each prompt token's logprob (but the first's) and the k most likely
+    # there, with the prompt's text (`PromptEcho`: completions' echo)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -244,7 +254,8 @@ class GenerationRequest(_Message):
         default=None, min_length=1, max_length=MAX_PROMPT_TOKENS
     )
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
-    max_new_tokens: int = Field(default=128, ge=1, le=MAX_NEW_TOKENS)
+    # 0: prefill only (the prompt's logprobs, or its KV into the prefix cache)
+    max_new_tokens: int = Field(default=128, ge=0, le=MAX_NEW_TOKENS)
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]] = Field(
         default_factory=list, max_length=MAX_STOP_STRINGS
@@ -353,10 +364,21 @@ class TokenLogprob(_Message):
     top: list[TopLogprob] = Field(default_factory=list, max_length=MAX_TOP_LOGPROBS)
 
 
+class PromptEcho(_Message):
+    """The prompt as the model read it, for a job that asked for its logprobs
+    (`sampling.prompt_logprobs`): its text (the job's `prompt`, else its ids decoded), its
+    first token's own text, and each later token's logprob given the tokens before it
+    (the same raw log-softmax as `TokenLogprob`; the first token has none)."""
+
+    text: str = ""
+    first_token: str = ""
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
+
+
 class TokenEvent(_Message):
     """One generated token. `index` counts from 0 per job; `text` is a UTF-8-safe delta.
     `logprobs` only when the job asked for them (`sampling.logprobs`); absent on the wire
-    otherwise."""
+    otherwise. `prompt`: on index 0 only, when the job asked for its prompt's logprobs."""
 
     v: Literal[1] = SCHEMA_VERSION
     type: Literal["token"] = "token"
@@ -365,13 +387,11 @@ class TokenEvent(_Message):
     token_id: TokenId
     text: str = ""
     logprobs: TokenLogprob | None = None
+    prompt: PromptEcho | None = None
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out: dict[str, Any] = handler(self)
-        if out.get("logprobs", 0) is None:
-            del out["logprobs"]
-        return out
+        return _without_none(handler(self), "logprobs", "prompt")
 
 
 class FinishEvent(_Message):
@@ -385,6 +405,13 @@ class FinishEvent(_Message):
     timings: Timings = Field(default_factory=Timings)
     error: ErrorInfo | None = None
     worker: str | None = None
+    # the prompt's logprobs when the job asked for them and emitted no token (else
+    # its first token event carries them)
+    prompt: PromptEcho | None = None
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_none(handler(self), "prompt")
 
 
 Event = Annotated[TokenEvent | FinishEvent, Field(discriminator="type")]
@@ -406,13 +433,20 @@ class JobResult(_Message):
     # on the wire otherwise, and for a job another worker resumed (its events in the
     # replay stream carry them all the same).
     logprobs: list[TokenLogprob] | None = None
+    prompt: PromptEcho | None = None  # when the job asked for the prompt's logprobs
 
     @model_serializer(mode="wrap")
     def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out: dict[str, Any] = handler(self)
-        if out.get("logprobs", 0) is None:
-            del out["logprobs"]
-        return out
+        return _without_none(handler(self), "logprobs", "prompt")
+
+
+def _without_none(out: dict[str, Any], *names: str) -> dict[str, Any]:
+    """Optional fields left off the wire when unset: messages without them encode as
+    they did before the fields existed."""
+    for name in names:
+        if name in out and out[name] is None:
+            del out[name]
+    return out
 
 
 class _EventEnvelope(BaseModel):
@@ -428,14 +462,16 @@ def encode(message: BaseModel) -> bytes:
     return packed
 
 
-def _unpack(data: bytes, *, allow_json: bool) -> dict[str, Any]:
+def _sized(data: bytes, limit: int = MAX_PAYLOAD_BYTES) -> bytes:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(DecodeReason.NOT_MSGPACK, f"expected bytes, got {type(data).__name__}")
-    if len(data) > MAX_PAYLOAD_BYTES:
-        raise ProtocolError(
-            DecodeReason.OVERSIZE, f"payload is {len(data)} bytes, limit {MAX_PAYLOAD_BYTES}"
-        )
-    raw = bytes(data)
+    if len(data) > limit:
+        raise ProtocolError(DecodeReason.OVERSIZE, f"payload is {len(data)} bytes, limit {limit}")
+    return bytes(data)
+
+
+def _unpack(data: bytes, *, allow_json: bool) -> dict[str, Any]:
+    raw = _sized(data)
     try:
         if allow_json and raw[:1] == b"{":
             obj = json.loads(raw)
@@ -445,6 +481,11 @@ def _unpack(data: bytes, *, allow_json: bool) -> dict[str, Any]:
         raise ProtocolError(
             DecodeReason.NOT_MSGPACK, f"cannot decode payload ({type(exc).__name__}: {exc})"
         ) from None
+    return _checked_map(obj)
+
+
+def _checked_map(obj: Any) -> dict[str, Any]:
+    """A decoded payload that is a map of this schema version (ProtocolError if not)."""
     if not isinstance(obj, dict):
         raise ProtocolError(DecodeReason.NOT_A_MAP, f"expected a map, got {type(obj).__name__}")
     readable_id = _readable_id(obj)
@@ -491,6 +532,32 @@ def decode_request(data: bytes) -> GenerationRequest:
 def decode_event(data: bytes) -> TokenEvent | FinishEvent:
     obj = _unpack(data, allow_json=False)
     return _validate(_EventEnvelope, {"event": obj}, obj).event
+
+
+def decode_events(data: bytes) -> list[TokenEvent | FinishEvent]:
+    """The events of one replay entry or live message: one or more encoded events back
+    to back (a worker coalescing several ticks of a job's tokens sends them as one).
+    Raises ProtocolError when any part is not a valid event (the whole payload is bad)."""
+    raw = _sized(data, MAX_EVENTS_PAYLOAD_BYTES)
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=True, max_buffer_size=MAX_EVENTS_PAYLOAD_BYTES
+    )
+    # A nil after the payload: read back as the last object exactly when every object
+    # before it was whole (a truncated one would swallow it).
+    unpacker.feed(raw + b"\xc0")
+    events: list[TokenEvent | FinishEvent] = []
+    try:
+        objs = list(unpacker)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(
+            DecodeReason.NOT_MSGPACK, f"cannot decode payload ({type(exc).__name__}: {exc})"
+        ) from None
+    if len(objs) < 2 or objs.pop() is not None or unpacker.tell() != len(raw) + 1:
+        raise ProtocolError(DecodeReason.NOT_MSGPACK, "empty or truncated payload")
+    for obj in objs:
+        checked = _checked_map(obj)
+        events.append(_validate(_EventEnvelope, {"event": checked}, checked).event)
+    return events
 
 
 def decode_result(data: bytes) -> JobResult:

@@ -5,7 +5,8 @@
     runner.release(session_id)                           #   per plan.sampling_ids entry
 
 `execute` returns a plain `list[int]`, or a `Sampled` (the same tokens plus their
-logprobs) when a session of the tick asked for logprobs (`ResolvedSampling.logprobs`);
+logprobs) when a session of the tick asked for logprobs (`ResolvedSampling.logprobs`)
+or a prefill chunk is of a session that asked for its prompt's (`SeqState.prompt_logprobs`);
 a runner that never computes logprobs always returns the list.
 
 The engine (admission, scheduling, job lifecycle) holds no torch and no model:
@@ -189,11 +190,22 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """A prefill chunk's prompt logprobs: `logprobs[i]` is prompt token `first + i`'s,
+    from the logits at the position before it."""
+
+    first: int  # >= 1: the first prompt token has none
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(frozen=True)
 class Sampled:
     """`execute`'s answer when some session asked for logprobs."""
 
     tokens: list[int]  # one per plan.sampling_ids entry
     logprobs: list[TokenLogprobs | None]  # the same positions; None: that session asked none
+    # by session id: the prompt tokens a prefill chunk of this plan gave logprobs for
+    prompt: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner(Protocol):
@@ -223,8 +235,11 @@ class ModelRunner(Protocol):
         parameters; `masks` (structured output), the allowed tokens of some of them, as
         a bitmask (bit i of 32-bit word i // 32: token i), passed only when there are
         any. A `Sampled` carries the logprobs of the sessions whose `logprobs` is set
-        (a plain list is fine when none is). Raising means no token of this plan was
-        sampled."""
+        (a plain list is fine when none is), and those of the prompt tokens of every
+        chunk whose session has `prompt_logprobs` set: for a chunk feeding positions
+        start..end-1, those of the prompt tokens at start+1..end that exist (the logits at
+        position p give the token at p + 1; the first prompt token has none). Raising
+        means no token of this plan was sampled."""
 
     def release(self, session_id: str) -> None:
         """Forget a session that ended or moved away (a no-op for one never executed)."""
@@ -253,6 +268,9 @@ class SeqState:
     num_registered: int = 0  # leading blocks registered (or found) in the cache
     num_cached: int = 0  # leading tokens whose KV the cache supplied
     looked_up: bool = False  # its lookup is counted in the cache's stats
+    # echo: the runner reports each prompt token's logprob and the k best there (its
+    # prefill computes every prompt position's logits; such a session shares no cache)
+    prompt_logprobs: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -36,7 +36,11 @@ _SNAPSHOT_BANDS = (DEFAULT_BAND, *(band for band in BANDS if band != DEFAULT_BAN
 
 def fleet_models(client: redis.Redis, keys: Keys) -> list[str]:
     """Every model that has had a jobs stream, and the default model, sorted."""
-    return sorted({text(m) for m in client.smembers(keys.models())} | {DEFAULT_MODEL})
+    pipe = client.pipeline(transaction=False)
+    for p in keys.partitions_all:  # submit.lua adds to its partition's copy
+        pipe.smembers(keys.models(p))
+    found = {text(m) for members in pipe.execute() for m in members}
+    return sorted(found | {DEFAULT_MODEL})
 
 
 def queue_caps(client: redis.Redis, keys: Keys, models: Iterable[str]) -> dict[str, int]:
@@ -109,7 +113,7 @@ def fleet_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
         "time": time.time(),
         "prefix": keys.prefix,
         "queues": queues,
-        "dead_letters": int(client.xlen(keys.dead_letters())),
+        "dead_letters": sum(int(client.xlen(keys.dead_letters(p))) for p in keys.partitions_all),
         "workers": live_workers(client, keys),
         **tenants_snapshot(read_tenants(client, keys, models), caps),
     }

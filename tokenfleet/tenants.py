@@ -150,6 +150,7 @@ def set_limits(
     if not clear and queued_share is None and max_running is None and cache_group is None:
         raise ValueError("nothing to set: give queued_share, max_running, cache_group or clear")
     key = keys.tenant_limits(tenant)  # raises ValueError for an invalid name
+    copies = [keys.tenant_limits(tenant, p) for p in keys.partitions_all]  # scripts read theirs
     fields: dict[str, str] = {}
     if queued_share is not None:
         fields[QUEUED_SHARE] = repr(float(queued_share))
@@ -158,10 +159,11 @@ def set_limits(
     if cache_group is not None:
         fields[CACHE_GROUP] = cache_group
     pipe = client.pipeline(transaction=False)
-    if clear:
-        pipe.delete(key)
-    if fields:
-        pipe.hset(key, mapping=fields)
+    for copy in copies:
+        if clear:
+            pipe.delete(copy)
+        if fields:
+            pipe.hset(copy, mapping=fields)
     if tenant is not None:
         pipe.sadd(keys.tenants(), tenant)
     pipe.hmget(key, *FIELDS)
@@ -180,7 +182,10 @@ def get_limits(client: redis.Redis, keys: Keys, tenant: str | None) -> TenantLim
 
 def tenant_names(client: redis.Redis, keys: Keys) -> list[str]:
     """Every tenant name seen, sorted (a member that is not a valid name is skipped)."""
-    return valid_names(client.smembers(keys.tenants()))
+    pipe = client.pipeline(transaction=False)
+    for p in keys.partitions_all:  # submit.lua adds to its partition's copy
+        pipe.smembers(keys.tenants(p))
+    return valid_names({name for members in pipe.execute() for name in members})
 
 
 def valid_names(members: Iterable[Any]) -> list[str]:
@@ -192,25 +197,31 @@ def valid_names(members: Iterable[Any]) -> list[str]:
 
 
 def pipeline_usage(pipe: Any, keys: Keys, names: Sequence[str], models: Sequence[str]) -> None:
-    """Queue the ZCARDs of every tenant's queued and running sets of every model on `pipe`
-    (a sync or an asyncio pipeline); `decode_usage` reads the replies."""
+    """Queue the ZCARDs of every tenant's queued and running sets of every model (in
+    every partition) on `pipe` (a sync or an asyncio pipeline); `decode_usage` reads the
+    replies."""
     for model in models:
         for name in names:
-            pipe.zcard(keys.tenant_queued(name, model))
-            pipe.zcard(keys.tenant_running(name, model))
+            for p in keys.partitions_all:
+                pipe.zcard(keys.tenant_queued(name, model, p))
+                pipe.zcard(keys.tenant_running(name, model, p))
 
 
 def decode_usage(
-    names: Sequence[str], models: Sequence[str], replies: Sequence[Any]
+    names: Sequence[str], models: Sequence[str], replies: Sequence[Any], partitions: int = 1
 ) -> dict[str, dict[str, TenantUsage]]:
-    """Model -> tenant -> usage from the replies to `pipeline_usage`, in its order."""
+    """Model -> tenant -> usage from the replies to `pipeline_usage`, in its order (the
+    partitions' counts added)."""
     out: dict[str, dict[str, TenantUsage]] = {}
     i = 0
     for model in models:
         by_tenant = out.setdefault(model, {})
         for name in names:
-            by_tenant[name] = TenantUsage(queued=int(replies[i]), running=int(replies[i + 1]))
-            i += 2
+            part = replies[i : i + 2 * partitions]
+            by_tenant[name] = TenantUsage(
+                queued=sum(int(r) for r in part[::2]), running=sum(int(r) for r in part[1::2])
+            )
+            i += 2 * partitions
     return out
 
 
@@ -252,7 +263,7 @@ def read_tenants(client: redis.Redis, keys: Keys, models: Iterable[str]) -> Tena
     pipeline_usage(pipe, keys, names, wanted)
     replies = pipe.execute()
     defaults = _parse(*replies[0])
-    usage = decode_usage(names, wanted, replies[1 + len(names) :])
+    usage = decode_usage(names, wanted, replies[1 + len(names) :], keys.partitions)
     tenants = {}
     for i, name in enumerate(names):
         own = _parse(*replies[1 + i])

@@ -324,11 +324,14 @@ def _calls_of(fmt: ToolFormat, text: str) -> tuple[int, list[Any]] | None:
         start = text.find(HERMES_OPEN)
         if start < 0:
             return None
-        values, rest = [], text[start:]
+        values: list[Any] = []
+        rest = text[start:]
         while rest:  # closed blocks, whitespace between them, nothing after the last
             if not rest.startswith(HERMES_OPEN):
                 return None
             body, closed, rest = rest[len(HERMES_OPEN) :].partition(HERMES_CLOSE)
+            if not closed and values:  # the answer's end cut its last call: the whole
+                break  # ones before it stand (a model chaining calls up to max_tokens)
             parsed = _objects(body, ",")
             if not closed or parsed is None or len(parsed) != 1:
                 return None
@@ -355,7 +358,8 @@ def _calls_of(fmt: ToolFormat, text: str) -> tuple[int, list[Any]] | None:
 
 def split_calls(fmt: ToolFormat, text: str, tools: Sequence[FunctionTool], job_id: str) -> Split:
     """The calls in a finished answer. Anything that is not wholly a well-formed call to
-    one of `tools` (a call cut short, an unknown name) leaves the whole text content."""
+    one of `tools` (an unknown name, a first call cut short) leaves the whole text
+    content; a Hermes call cut short after whole ones is dropped, the whole ones kept."""
     found = _calls_of(fmt, text)
     key = "parameters" if fmt is ToolFormat.LLAMA3_JSON else "arguments"
     if found is None or not found[1]:

@@ -124,7 +124,8 @@ class Admission:
 
     `decide` applies these rules in order; the first that matches wins:
 
-    1. prompt_tokens < 1, max_new_tokens < 1 or scratch_bytes < 0 -> REJECTED_INVALID
+    1. prompt_tokens < 1, max_new_tokens < 0 or scratch_bytes < 0 -> REJECTED_INVALID
+       (max_new_tokens 0: a prefill-only job, e.g. for its prompt's logprobs)
     2. the id is already active or waiting here                    -> REJECTED_DUPLICATE
     3. prompt + max_new > the whole KV pool (can never fit)        -> REJECTED_KV_BUDGET
     4. scratch > the per-session cap (<= the node's total, validated) -> REJECTED_SCRATCH_BUDGET
@@ -152,12 +153,11 @@ class Admission:
         scratch_in_use: int,
     ) -> AdmissionDecision:
         b = self.budget
-        if req.prompt_tokens < 1 or req.max_new_tokens < 1 or req.scratch_bytes < 0:
+        if req.prompt_tokens < 1 or req.max_new_tokens < 0 or req.scratch_bytes < 0:
             return AdmissionDecision(
                 AdmissionReason.REJECTED_INVALID,
-                f"prompt_tokens ({req.prompt_tokens:,}) and max_new_tokens"
-                f" ({req.max_new_tokens:,}) must both be >= 1 and scratch_bytes"
-                f" ({req.scratch_bytes:,}) >= 0",
+                f"prompt_tokens ({req.prompt_tokens:,}) must be >= 1, max_new_tokens"
+                f" ({req.max_new_tokens:,}) and scratch_bytes ({req.scratch_bytes:,}) >= 0",
             )
         if req.job_id in active_ids or req.job_id in waiting_ids:
             where = "active" if req.job_id in active_ids else "waiting"

@@ -47,7 +47,7 @@ from tokenfleet.openai.models import (
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.openai.render import Renderer, reads_calls
+from tokenfleet.openai.render import Renderer, echoes, reads_calls
 from tokenfleet.protocol import FinishEvent, GenerationRequest, JobResult, Priority
 from tokenfleet.reasons import FinishReason
 
@@ -291,8 +291,10 @@ def result_line(
         line.body.model,
         int(time.time()),
         **reads_calls(line.body, served),
+        **echoes(line.body, line.body.prompt_fields().get("prompt")),
     )
-    body = out.body(result.text, _finish_event(result), result.logprobs).model_dump(mode="json")
+    finish = _finish_event(result)
+    body = out.body(result.text, finish, result.logprobs, result.prompt).model_dump(mode="json")
     return {
         "id": rid,
         "custom_id": line.custom_id,

@@ -45,17 +45,17 @@ app.add_typer(batch.app, name="batch")
 
 
 def main() -> None:
-    """The console entry point: run the app; an unreachable Redis, or no redis-server for
-    a local fleet, is exit code 2."""
+    """The console entry point: run the app; an unreachable Redis, a Redis URL it cannot
+    read, or no redis-server for a local fleet, is exit code 2."""
     import redis
 
-    from tokenfleet.errors import RedisServerNotFound
+    from tokenfleet.errors import InvalidRedisUrl, RedisServerNotFound
 
     try:
         app()
     except redis.ConnectionError as exc:
         typer.echo(f"error: cannot reach Redis ({exc})", err=True)
         sys.exit(2)
-    except RedisServerNotFound as exc:
+    except (InvalidRedisUrl, RedisServerNotFound) as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

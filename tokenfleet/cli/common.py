@@ -27,10 +27,10 @@ def settings(redis_url: str | None = None, prefix: str | None = None) -> Setting
 
 def connect(redis_url: str | None, prefix: str | None) -> tuple[Settings, Any, Keys]:
     """Settings, a Redis client on their URL, and the fleet's keys."""
-    import redis
+    from tokenfleet.connect import connect as connect_redis
 
     conf = settings(redis_url, prefix)
-    return conf, redis.Redis.from_url(conf.redis_url), Keys(conf.prefix)
+    return conf, connect_redis(conf.redis_url), conf.keys()
 
 
 def connect_producer(redis_url: str | None, prefix: str | None) -> tuple[Settings, Producer]:
@@ -38,4 +38,7 @@ def connect_producer(redis_url: str | None, prefix: str | None) -> tuple[Setting
     from tokenfleet.producer import Producer
 
     conf = settings(redis_url, prefix)
-    return conf, Producer.from_url(conf.redis_url, prefix=conf.prefix, default_cap=conf.queue_cap)
+    producer = Producer.from_url(
+        conf.redis_url, prefix=conf.prefix, partitions=conf.partitions, default_cap=conf.queue_cap
+    )
+    return conf, producer

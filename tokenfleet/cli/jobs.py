@@ -10,7 +10,6 @@ import typer
 
 from tokenfleet.cli.common import Model, Prefix, RedisUrl, connect, connect_producer, fail
 from tokenfleet.errors import TokenfleetError
-from tokenfleet.keys import Keys
 
 
 def queue_cap(
@@ -26,7 +25,7 @@ def queue_cap(
             raise fail("the cap must be at least 1")
         producer.set_queue_cap(cap, model)
     typer.echo(
-        f"{Keys(conf.prefix).jobs(model)}: cap {producer.queue_cap(model)}, "
+        f"{conf.keys().jobs(model)}: cap {producer.queue_cap(model)}, "
         f"depth {producer.depth(model)}"
     )
 
@@ -124,4 +123,5 @@ def dead_letters(
             f"{e['id']}  job={e['job_id'] or '-'}  reason={e['reason']}  "
             f"deliveries={e['deliveries']}  {e['message'][:100]}"
         )
-    typer.echo(f"{client.xlen(keys.dead_letters())} dead letter(s) in {keys.dead_letters()}")
+    total = sum(int(client.xlen(keys.dead_letters(p))) for p in keys.partitions_all)
+    typer.echo(f"{total} dead letter(s) in {keys.dead_letters()}")

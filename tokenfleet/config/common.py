@@ -26,7 +26,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from tokenfleet.keys import DEFAULT_PREFIX, DEFAULT_QUEUE_CAP
+from tokenfleet.connect import is_cluster_url
+from tokenfleet.keys import DEFAULT_PREFIX, DEFAULT_QUEUE_CAP, MAX_PARTITIONS, Keys
 
 T = TypeVar("T")
 
@@ -134,7 +135,10 @@ class FleetConfig(BaseModel):
         str,
         Env("TOKENFLEET_REDIS_URL", "REDIS_URL"),
         Flag("--redis-url"),
-        Field(description="the fleet's Redis: redis:// or rediss:// URL, with its password"),
+        Field(
+            description="the fleet's Redis URL, with its password: redis://, rediss:// or"
+            " redis+cluster://HOST:PORT,HOST:PORT"
+        ),
     ] = "redis://127.0.0.1:6379/0"
     prefix: Annotated[
         str,
@@ -147,6 +151,20 @@ class FleetConfig(BaseModel):
         Env("TOKENFLEET_QUEUE_CAP"),
         Field(ge=1, description="the cap of a jobs stream that has none set yet"),
     ] = DEFAULT_QUEUE_CAP
+    partitions: Annotated[
+        int,
+        Env("TOKENFLEET_PARTITIONS"),
+        Field(
+            ge=1,
+            le=MAX_PARTITIONS,
+            description="parts each model's queue is split into (Redis Cluster: one hash "
+            "slot each); every process of a fleet must say the same",
+        ),
+    ] = 1
+
+    def keys(self) -> Keys:
+        """The fleet's key names: its prefix, its partitions, hash tags on a cluster."""
+        return Keys(self.prefix, self.partitions, tagged=is_cluster_url(self.redis_url))
 
 
 class Settings(FromEnvironment, FleetConfig):

@@ -14,6 +14,8 @@ from pydantic import Field, field_validator
 
 from tokenfleet.config.common import Env, Flag, Settings
 
+RUNNERS = ("torch", "sim")  # what runs the model: tokenfleet.worker.main.build_worker
+
 
 class WorkerSettings(Settings):
     """One worker process."""
@@ -59,6 +61,26 @@ class WorkerSettings(Settings):
             "--quant (where it was measured faster)"
         ),
     ] = None
+
+    runner: Annotated[
+        str,
+        Env("TOKENFLEET_RUNNER"),
+        Flag("--runner"),
+        Field(
+            description="torch: run the model; sim: no model, ticks paced like a GPU's "
+            "(tokenfleet/model/sim_runner.py; for load tests of the fleet)"
+        ),
+    ] = "torch"
+    sim_tok_s: Annotated[
+        float,
+        Flag("--sim-tok-s"),
+        Field(gt=0, description="sim runner: tokens/s at a full batch (a row costs 1/this)"),
+    ] = 3000.0
+    sim_tick_ms: Annotated[
+        float,
+        Flag("--sim-tick-ms"),
+        Field(ge=0, description="sim runner: the least time of a tick, ms"),
+    ] = 15.0
 
     # ---- the engine's budget (EngineConfig, FairnessConfig) ------------------------
     prefix_cache: Annotated[
@@ -114,6 +136,18 @@ class WorkerSettings(Settings):
         Flag("--overlap/--no-overlap"),
         Field(description="read each tick's Redis replies after the next forward pass"),
     ] = True
+    stream_interval: Annotated[
+        int,
+        Env("TOKENFLEET_STREAM_INTERVAL"),
+        Flag("--stream-interval"),
+        Field(
+            description="send a job's tokens every N ticks, coalesced into one replay entry "
+            "and one message (its first token and its end at once): less Redis work per "
+            "token, up to N-1 ticks later",
+            ge=1,
+            le=64,
+        ),
+    ] = 1
     threads: Annotated[
         int | None,
         Flag("--threads"),
@@ -128,6 +162,13 @@ class WorkerSettings(Settings):
         Field(description="tests only: fail the forward of jobs whose metadata has this key"),
     ] = None
     verbose: Annotated[bool, Flag("--verbose", "-v"), Field(description="log at INFO")] = False
+
+    @field_validator("runner")
+    @classmethod
+    def _known_runner(cls, runner: str) -> str:
+        if runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+        return runner
 
     @field_validator("quant")
     @classmethod

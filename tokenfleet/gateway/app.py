@@ -3,8 +3,9 @@
 `create_app(config)` builds it; `service.Gateway` does the work of each
 completion request; `auth.KeyCheck` says which API key (tenant, default priority)
 sent it. Redis is reached through one bounded pool of command
-connections that requests wait for (never "Too many connections") and the
-`Subscriber`'s few pub/sub connections, which every stream shares. docs/http.md
+connections that requests wait for (never "Too many connections"; on a Redis
+Cluster a bounded pool per node, which does not wait: `connect.connect_async_pooled`)
+and the `Subscriber`'s few pub/sub connections, which every stream shares. docs/http.md
 is the reference for clients.
 """
 
@@ -17,7 +18,6 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
-import redis.asyncio as aredis
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from redis.exceptions import RedisError
@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from tokenfleet.batch.driver import BatchDriver, DriverConfig
 from tokenfleet.batch.store import BatchStore, NotFound
 from tokenfleet.config import GatewayConfig
+from tokenfleet.connect import connect_async_pooled
 from tokenfleet.fleet import ServedModel
 from tokenfleet.gateway.auth import KeyCheck, parse_api_keys
 from tokenfleet.gateway.batches import not_found
@@ -83,14 +84,13 @@ async def serving(
 ) -> AsyncIterator[None]:
     """The app's lifespan: the Redis pool, the shared subscriber, the `Gateway` and the
     batch store on `app.state`, and (where `config.batches`) this replica's batch driver."""
-    pool = aredis.BlockingConnectionPool.from_url(
+    client, pool = connect_async_pooled(
         config.redis_url,
         max_connections=config.redis_connections,
         timeout=config.redis_wait_s,
         health_check_interval=10,
         client_name=CLIENT_NAME,
     )
-    client = aredis.Redis(connection_pool=pool)
     subscriber = Subscriber(pool, shards=config.pubsub_connections)
     subscriber.start()
     gw = Gateway(config, client, metrics, subscriber)
@@ -311,7 +311,7 @@ def fleet_routes(authed: Sequence[Any], metrics: GatewayMetrics) -> APIRouter:
         from prometheus_client import CONTENT_TYPE_LATEST
 
         gw = gateway_of(request)
-        await metrics.refresh_fleet(gw.redis, gw.keys)  # the fleet-wide gauges, from Redis
+        await metrics.refresh_fleet(gw.redis, gw.keys, gw.fleet)  # the fleet-wide gauges
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return api

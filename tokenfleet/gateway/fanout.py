@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive
 
 from tokenfleet.errors import JobLost
 from tokenfleet.gateway.auth import caller_of
-from tokenfleet.gateway.failures import CLIENT_GONE, job_lost, redis_down
+from tokenfleet.gateway.failures import CLIENT_GONE, job_lost
 from tokenfleet.gateway.jobs import ClientGone, Event, EventStreamResponse, JobEvents, QueueTimeout
 from tokenfleet.gateway.metrics import RequestTally
 from tokenfleet.gateway.output import Rendered
@@ -52,13 +51,12 @@ from tokenfleet.openai.models import (
     SERVICE_TIER_OF,
     ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
     UsageOut,
 )
-from tokenfleet.openai.render import DONE, KEEPALIVE, reads_calls
+from tokenfleet.openai.render import DONE, KEEPALIVE, echoes, reads_calls
 from tokenfleet.protocol import MAX_SEED, FinishEvent, GenerationRequest, TokenEvent
 
 if TYPE_CHECKING:  # the gateway calls in here (Gateway.generate)
@@ -216,6 +214,7 @@ async def serve_choices(
                 created,
                 tier,
                 **calls,
+                **echoes(parsed, job.prompt),
                 index=index,
                 request_job_id=jobs[0].job_id,
             ),
@@ -295,6 +294,9 @@ class _FanOut:
                 await choice.events.close()
                 if choice.events.cancelled:
                     self.gw.metrics.cancelled.labels(self.tally.model).inc()
+        ends = [c.events.finished_at for c in self.choices if c.events.finished_at is not None]
+        last = max(ends) if len(ends) == len(self.choices) else None
+        self.tally.ended([c.events.finish for c in self.choices], last)
 
     def _failure(self, finish: FinishEvent, tokens_seen: bool) -> ApiError | None:
         """The HTTP error a choice's end means (as a single job's would), or None."""
@@ -316,7 +318,7 @@ class _FanOut:
             if failure is not None:
                 raise failure
             finishes[index] = event
-        bodies = [_body(c.out, tokens[c.index], finishes[c.index]) for c in self.choices]
+        bodies = [c.out.answer_of(tokens[c.index], finishes[c.index]) for c in self.choices]
         ended = [finishes[c.index] for c in self.choices]
         merged_body = bodies[0].model_copy(
             update={
@@ -335,21 +337,10 @@ class _FanOut:
         while True:
             try:
                 got = await merged.next(timeout=self.gw.config.keepalive_s)
-            except ClientGone:
-                return
-            except QueueTimeout as exc:
-                yield await first.failed(self.gw._queue_timeout(exc.timeout_s, self.tally.model))
-                return
-            except JobLost as exc:
-                yield await first.failed(job_lost(exc))
-                return
-            except RedisError as exc:
-                yield await first.failed(redis_down(exc))
-                return
             except Exception as exc:
-                log.exception("reading the jobs of %s failed", first.id)
-                error = ApiError(500, f"reading the job failed: {exc}", type="server_error")
-                yield await first.failed(error)
+                error = self.gw.stream_failure(exc, self.tally.model, first.id)
+                if error is not None:
+                    yield await first.failed(error)
                 return
             if got is None:
                 yield KEEPALIVE
@@ -400,12 +391,3 @@ class _FanOut:
             )
         return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
 
-
-def _body(
-    out: ChoiceRendered, tokens: list[TokenEvent], finish: FinishEvent
-) -> CompletionResponse | ChatCompletionResponse:
-    """One choice's body, with the tokens' logprobs when its job asked for them."""
-    text = "".join(e.text for e in tokens)
-    logprobs = [e.logprobs for e in tokens if e.logprobs is not None]
-    asked = bool(tokens) and len(logprobs) == len(tokens)
-    return out.body(text, finish, logprobs if asked else None)

@@ -138,6 +138,7 @@ class JobEvents:
     ) -> None:
         self.handle = handle
         self.finish: FinishEvent | None = None
+        self.finished_at: float | None = None  # time.monotonic() when `finish` came
         self.cancelled = False
         self.started = False  # a worker took the job (status running, or an event came)
         self._redis: aredis.Redis = handle.producer.redis
@@ -212,6 +213,7 @@ class JobEvents:
         self._poll_at = time.monotonic() + SHARED_SUBSCRIPTION_POLL_S
         if isinstance(event, FinishEvent):
             self.finish = event
+            self.finished_at = time.monotonic()
         return event
 
     async def _wait(self, until: float | None) -> bytes | Resync | _Gone | None:

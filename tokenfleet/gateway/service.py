@@ -47,7 +47,7 @@ from tokenfleet.gateway.jobs import (
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
 from tokenfleet.gateway.output import Output, OutputFactory, Rendered
 from tokenfleet.gateway.subscriber import Subscriber
-from tokenfleet.keys import DEFAULT_MODEL, Keys
+from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.openai.errors import ApiError, from_finish, from_queue_full, from_validation
 from tokenfleet.openai.fields import IGNORED_HEADER, ignored_fields
 from tokenfleet.openai.models import (
@@ -58,7 +58,7 @@ from tokenfleet.openai.models import (
     CompletionRequest,
     job_from_openai,
 )
-from tokenfleet.openai.render import KEEPALIVE, reads_calls
+from tokenfleet.openai.render import KEEPALIVE, echoes, reads_calls
 from tokenfleet.producer import AsyncProducer
 from tokenfleet.protocol import (
     MODEL_NAME_PATTERN,
@@ -85,7 +85,7 @@ class Gateway:
     ) -> None:
         self.config = config
         self.redis = client
-        self.keys = Keys(config.prefix)
+        self.keys = config.keys()
         self.producer = AsyncProducer(client, keys=self.keys, default_cap=config.queue_cap)
         self.fleet = FleetReader(client, self.keys, config.fleet_cache_s)
         self.metrics = metrics
@@ -130,7 +130,6 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await events.close(cancel=False)
             raise
-        tally = RequestTally(self.metrics, parsed.model, arrived)
         tier = SERVICE_TIER_OF[job.priority]
         out = (
             output(handle.id, tier)
@@ -142,6 +141,7 @@ class Gateway:
                 int(time.time()),
                 tier,
                 **reads_calls(parsed, served),
+                **echoes(parsed, job.prompt),
             )
         )
         headers = {"X-Tokenfleet-Job-Id": handle.id}
@@ -156,6 +156,8 @@ class Gateway:
                 handle.id,
             )
 
+        tally = RequestTally(self.metrics, parsed.model, arrived)
+
         async def close() -> None:
             """Always run, shielded: a job whose client is gone (or that timed out in the
             queue) is cancelled in the fleet."""
@@ -163,6 +165,7 @@ class Gateway:
                 await events.close()
             if events.cancelled:
                 self.metrics.cancelled.labels(parsed.model).inc()
+            tally.ended([events.finish], events.finished_at)
 
         if parsed.stream:  # the status line goes now: whatever fails later is an event
             stream = self._stream(events, out, parsed.include_usage, tally)
@@ -199,6 +202,20 @@ class Gateway:
             code="queue_timeout",
             headers={"Retry-After": str(max(1, self.config.retry_after_s))},
         )
+
+    def stream_failure(self, exc: Exception, model: str, job_id: str) -> ApiError | None:
+        """The error event a stream ends with when following its job (or jobs) raised
+        `exc`; None when the client is gone (nothing more to send)."""
+        if isinstance(exc, ClientGone):
+            return None
+        if isinstance(exc, QueueTimeout):
+            return self._queue_timeout(exc.timeout_s, model)
+        if isinstance(exc, JobLost):
+            return job_lost(exc)
+        if isinstance(exc, RedisError):
+            return redis_down(exc)
+        log.error("reading job %s failed", job_id, exc_info=exc)
+        return ApiError(500, f"reading the job failed: {exc}", type="server_error")
 
     def _failure(self, finish: FinishEvent, model: str, *, tokens_seen: bool) -> ApiError | None:
         """The HTTP error a job's end means, or None when it is an answer (a queue deadline
@@ -339,21 +356,10 @@ class Gateway:
         while True:
             try:
                 event = await events.next(timeout=self.config.keepalive_s)
-            except ClientGone:
-                return
-            except QueueTimeout as exc:
-                yield await out.failed(self._queue_timeout(exc.timeout_s, tally.model))
-                return
-            except JobLost as exc:
-                yield await out.failed(job_lost(exc))
-                return
-            except RedisError as exc:
-                yield await out.failed(redis_down(exc))
-                return
             except Exception as exc:
-                log.exception("reading job %s failed", out.job_id)
-                error = ApiError(500, f"reading the job failed: {exc}", type="server_error")
-                yield await out.failed(error)
+                error = self.stream_failure(exc, tally.model, out.job_id)
+                if error is not None:
+                    yield await out.failed(error)
                 return
             if event is None:
                 yield KEEPALIVE
@@ -375,21 +381,19 @@ class Gateway:
 
 
 def _chunk(out: Output, event: TokenEvent) -> bytes:
-    """A token's bytes: with its logprobs when the job asked for them (completions and
-    chat completions render them; other outputs show the text alone)."""
-    if event.logprobs is not None and isinstance(out, Rendered):
+    """A token's bytes: completions and chat completions render its logprobs and the
+    echo too (`Renderer.token`); other outputs show the text alone."""
+    if isinstance(out, Rendered):
         return out.token(event)
     return out.delta(event.text) if event.text else b""
 
 
 async def _answer(out: Output, tokens: list[TokenEvent], finish: FinishEvent) -> dict[str, Any]:
     """The non-streamed body; completions and chat completions carry the tokens' logprobs
-    when the job asked for them."""
-    text = "".join(e.text for e in tokens)
-    logprobs = [e.logprobs for e in tokens if e.logprobs is not None]
-    if isinstance(out, Rendered) and tokens and len(logprobs) == len(tokens):
-        return out.body(text, finish, logprobs).model_dump(mode="json")
-    return await out.answer(text, finish)
+    when the job asked for them, and the echo (`Renderer.answer_of`)."""
+    if isinstance(out, Rendered):
+        return out.answer_of(tokens, finish).model_dump(mode="json")
+    return await out.answer("".join(e.text for e in tokens), finish)
 
 
 _FAILED = (FinishReason.REJECTED, FinishReason.ERROR)

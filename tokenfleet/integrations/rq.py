@@ -46,6 +46,7 @@ from typing import Any
 import redis
 
 from tokenfleet.config import Settings
+from tokenfleet.connect import connect
 from tokenfleet.keys import Keys, valid_job_id
 from tokenfleet.producer import Producer
 
@@ -84,7 +85,7 @@ def generate(
         client: redis.Redis = rq_job.connection  # the Redis this RQ job came from
         own_client = False
     else:
-        client = redis.Redis.from_url(redis_url or settings.redis_url)
+        client = connect(redis_url or settings.redis_url)
     try:
         producer = Producer(
             client, keys=Keys(prefix or settings.prefix), default_cap=settings.queue_cap

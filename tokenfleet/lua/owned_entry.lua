@@ -40,15 +40,21 @@ end
 --              hash_ttl     JOB_STATE_TTL_S (refreshed)
 --              maxlen       EVENTS_MAXLEN (approximate)
 --              events_ttl   EVENTS_TTL_S
+--   announced  true when the caller appended and published the finish event itself
+--              (tick.lua: with the job's last tokens, in one entry)
 local function terminal_writes(t)
   redis.call('SET', t.result, t.result_data, 'EX', t.result_ttl)
   redis.call('ZREM', t.queued, t.job_id)
   redis.call('ZREM', t.running, t.job_id)
   redis.call('HSET', t.hash, 'status', 'finished', 'finish_reason', t.reason, 'worker', ARGV[2])
   redis.call('EXPIRE', t.hash, t.hash_ttl)
-  redis.call('XADD', t.events, 'MAXLEN', '~', t.maxlen, '*', 'm', t.finish_data)
+  if not t.announced then
+    redis.call('XADD', t.events, 'MAXLEN', '~', t.maxlen, '*', 'm', t.finish_data)
+  end
   redis.call('EXPIRE', t.events, t.events_ttl)
-  redis.call('PUBLISH', t.channel, t.finish_data)
+  if not t.announced then
+    redis.call('PUBLISH', t.channel, t.finish_data)
+  end
 end
 
 -- Ack and delete an entry together (Redis 7.0 has no XACKDEL): XLEN stays the depth.

@@ -39,6 +39,10 @@
 -- ARGV[a+2k+6] held[].end?.result_data msgpack JobResult
 -- ARGV[a+2k+7] held[].end?.finish_data msgpack FinishEvent
 --
+-- A job's new events (and its finish event, when it ends) go into ONE replay entry and
+-- ONE message: their msgpack encodings back to back (docs/protocol.md), so a worker that
+-- coalesces several ticks' tokens of a job (--stream-interval) costs one write of each.
+--
 -- Reply: per job {verdict, next}, next = indices now in its replay stream (the job
 -- hash's `emitted` field):
 --   'ok'     owned, events appended
@@ -68,21 +72,31 @@ for j = 1, n do
     local next = tonumber(state[2]) or 0
     local start = next
     local gap = false
+    local fresh = {}  -- the events the replay stream lacks, in index order
     for e = 0, count - 1 do
       local index = tonumber(ARGV[first + 2 * e])
-      local data = ARGV[first + 2 * e + 1]
       if index == next then
-        redis.call('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'm', data)
-        redis.call('PUBLISH', channel, data)
+        fresh[#fresh + 1] = ARGV[first + 2 * e + 1]
         next = next + 1
       elseif index > next then
         gap = true
         break
       end
     end
+    local finishing = ends and not gap
+    if finishing then
+      fresh[#fresh + 1] = ARGV[first + 2 * count + 2]  -- the finish event, in the same entry
+    end
+    if #fresh > 0 then
+      -- One replay entry and one message for all of them: their encodings back to back
+      -- (docs/protocol.md), however many ticks the worker coalesced.
+      local data = table.concat(fresh)
+      redis.call('XADD', events, 'MAXLEN', '~', ARGV[5], '*', 'm', data)
+      redis.call('PUBLISH', channel, data)
+    end
     if next ~= start then
       redis.call('HSET', hash, 'emitted', next)
-      if start == 0 then
+      if start == 0 and not finishing then
         -- Set by the first event and again by the finish: refreshing it on every
         -- token would cost a command per event.
         redis.call('EXPIRE', events, ARGV[6])
@@ -97,6 +111,7 @@ for j = 1, n do
         queued = queued, running = running, job_id = job,
         reason = ARGV[t], result_data = ARGV[t + 1], finish_data = ARGV[t + 2],
         result_ttl = ARGV[7], hash_ttl = ARGV[8], maxlen = ARGV[5], events_ttl = ARGV[6],
+        announced = true,
       })
       ack_delete_entry(stream, entry)
       reply[j] = {'done', next}

@@ -133,13 +133,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: Tensor | Sequence[int], seqs: Sequence[SeqInput], kv: KVPool
+        self,
+        input_ids: Tensor | Sequence[int],
+        seqs: Sequence[SeqInput],
+        kv: KVPool,
+        rows: Sequence[int] | None = None,
     ) -> Tensor:
         """Run one tick and return float32 logits [len(seqs), vocab].
 
         `input_ids` [T] holds every sequence's new tokens concatenated in `seqs`
         order (T = sum of num_new). Their K/V are written into `kv` at the slots
-        their block tables give; the logits are for each sequence's LAST new token.
+        their block tables give; the logits are for each sequence's LAST new token,
+        or, when `rows` is given, for those rows of the T tokens ([len(rows), vocab]).
         """
         if kv.dtype != self.dtype or kv.device != self.device:
             raise ValueError(
@@ -160,10 +165,11 @@ class LlamaModel(nn.Module):
         else:
             for layer, (attn_w, mlp_w) in zip(self.blocks, self.layer_weights(), strict=True):
                 x = layer(x, ctx, self.shape, attn_w, mlp_w)
-        rows = x[plan.last_rows]  # [S, hidden]; the norm is per row
+        picked = plan.last_rows if rows is None else torch.tensor(list(rows), device=device)
+        out = x[picked]  # [S, hidden]; the norm is per row
         if self.compiled is not None:
-            return self.compiled.head(rows, self.norm.weight)
-        return head(rows, self.norm.weight, weight_of(self.lm_head), self.shape.eps)  # [S, vocab]
+            return self.compiled.head(out, self.norm.weight)
+        return head(out, self.norm.weight, weight_of(self.lm_head), self.shape.eps)  # [S, vocab]
 
     def quantize(
         self, kind: QuantKind, prepacked: Mapping[str, PackedWeight] | None = None

@@ -10,7 +10,9 @@ forward pass plus one batched sample:
 
 Logprobs come from the raw model logits (before penalties, bias, grammar mask,
 temperature and filters), as OpenAI and vLLM (its default "raw_logprobs") report them;
-a tick where no session asks for any computes none and returns the plain list.
+a tick where no session asks for any computes none and returns the plain list. A
+prefill chunk of a session asking for its prompt's logprobs (echo) has the LM head run
+over every prompt position it feeds, not its last one alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +32,8 @@ from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.seam import (
     DecodeStep,
     ModelSpec,
+    PrefillChunk,
+    PromptLogprobs,
     ResolvedSampling,
     Sampled,
     SeqState,
@@ -97,11 +102,15 @@ class TorchRunner:
         seqs: list[SeqInput] = []
         sample_rows: list[int] = []
         states: list[SamplingState] = []
+        echoes: list[_Echo] = []  # prefill chunks of sessions asking for prompt logprobs
         for row, entry in enumerate(plan.entries):
             if isinstance(entry, DecodeStep):
                 ids.append(entry.token_id)
                 seqs.append(SeqInput(entry.block_table, entry.position, 1))
             else:
+                echo = _Echo.of(entry, len(ids))
+                if echo is not None:
+                    echoes.append(echo)
                 ids.extend(entry.token_ids)
                 seqs.append(SeqInput(entry.block_table, entry.start, entry.length))
                 if not entry.samples:
@@ -110,19 +119,27 @@ class TorchRunner:
             states.append(self._stream(entry.seq, sampling))
         if self.on_forward is not None:
             self.on_forward(ids, seqs)
-        logits = self.model.forward(ids, seqs, self.kv)  # [entries, vocab]
+        if echoes:  # every prompt position's logits these chunks need, after the samples'
+            ends = list(itertools.accumulate(s.num_new for s in seqs))
+            flat = [ends[r] - 1 for r in sample_rows]
+            flat += [r for e in echoes for r in e.rows]
+            every = self.model.forward(ids, seqs, self.kv, flat)  # [samples + echoes, vocab]
+            logits, prompt = every[: len(sample_rows)], every[len(sample_rows) :]
+        else:
+            logits = self.model.forward(ids, seqs, self.kv)  # [entries, vocab]
+            if len(sample_rows) < len(seqs):
+                logits = logits[sample_rows]
+        echoed = _prompt_logprobs(prompt, echoes) if echoes else {}
         if not sample_rows:
-            return []
-        if len(sample_rows) < len(seqs):
-            logits = logits[sample_rows]
+            return Sampled([], [], echoed) if echoed else []
         raw = logits  # [sampled, vocab]: masks and the sampler never write it in place
         if masks:
             logits = _apply_masks(logits, plan.sampling_ids, masks)
         tokens = self.sampler.sample(logits, states)
         asked = [sampling[sid].logprobs for sid in plan.sampling_ids]
         if all(k is None for k in asked):
-            return tokens
-        return Sampled(tokens, _logprobs(raw, tokens, asked))
+            return Sampled(tokens, [None] * len(tokens), echoed) if echoed else tokens
+        return Sampled(tokens, _logprobs(raw, tokens, asked), echoed)
 
     def _stream(self, seq: SeqState, sampling: Mapping[str, ResolvedSampling]) -> SamplingState:
         state = self._streams.get(seq.session_id)
@@ -145,19 +162,64 @@ def _logprobs(
     of the rows whose `asked` is k (0: the sampled token's alone, None: nothing)."""
     rows = [i for i, k in enumerate(asked) if k is not None]
     asking = raw if len(rows) == len(asked) else raw[rows]  # [A, vocab]
-    lp = torch.log_softmax(asking.float(), dim=-1)  # [A, vocab]
-    sampled = torch.tensor([tokens[i] for i in rows], device=lp.device)
-    picked = lp[torch.arange(len(rows), device=lp.device), sampled]  # [A]
-    k_max = max(asked[i] or 0 for i in rows)
-    top_lp, top_ids = lp.topk(k_max, dim=-1)  # [A, k_max], best first
-    # one copy to the host; a -inf (a logit of -inf) is reported as OpenAI's -9999
-    values = torch.cat([picked[:, None], top_lp], dim=1).clamp(-9999.0, 0.0).cpu().tolist()
-    ids = top_ids.cpu().tolist()
+    found = _pick_logprobs(asking, [tokens[i] for i in rows], max(asked[i] or 0 for i in rows))
     out: list[TokenLogprobs | None] = [None] * len(asked)
     for a, i in enumerate(rows):
         k = asked[i] or 0
-        top = tuple(zip(ids[a][:k], values[a][1 : k + 1], strict=True))
-        out[i] = TokenLogprobs(values[a][0], top)
+        out[i] = TokenLogprobs(found[a].logprob, found[a].top[:k])
+    return out
+
+
+def _pick_logprobs(raw: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's log-softmax at its target token, and its k best, from raw logits
+    [rows, vocab] (one copy to the host; a -inf is reported as OpenAI's -9999)."""
+    lp = torch.log_softmax(raw.float(), dim=-1)  # [rows, vocab]
+    at = torch.tensor(targets, device=lp.device)
+    picked = lp[torch.arange(len(targets), device=lp.device), at]  # [rows]
+    top_lp, top_ids = lp.topk(k, dim=-1)  # [rows, k], best first
+    values = torch.cat([picked[:, None], top_lp], dim=1).clamp(-9999.0, 0.0).cpu().tolist()
+    ids = top_ids.cpu().tolist()
+    return [
+        TokenLogprobs(v[0], tuple(zip(i, v[1:], strict=True)))
+        for v, i in zip(values, ids, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """A prefill chunk whose prompt tokens `first`.. get logprobs: from the logits of the
+    flat forward rows `rows` (the positions just before them), `k` best each."""
+
+    session_id: str
+    first: int
+    targets: list[int]
+    rows: range
+    k: int
+
+    @classmethod
+    def of(cls, chunk: PrefillChunk, row: int) -> _Echo | None:
+        """`row`: the flat row of the chunk's first token in the forward."""
+        k, prompt = chunk.seq.prompt_logprobs, chunk.seq.prompt_ids
+        first = max(1, chunk.start + 1)
+        # targets first..end-1: the tokens after each fed position, within the prompt
+        end = min(chunk.start + chunk.length + 1, len(prompt))
+        if k is None or end <= first:
+            return None
+        at = row + first - 1 - chunk.start  # the row of position first - 1
+        return cls(chunk.seq.session_id, first, prompt[first:end], range(at, at + end - first), k)
+
+
+def _prompt_logprobs(raw: torch.Tensor, echoes: list[_Echo]) -> dict[str, PromptLogprobs]:
+    """Each echo chunk's prompt logprobs, from the raw logits of its rows [sum(rows), vocab]."""
+    found = _pick_logprobs(raw, [t for e in echoes for t in e.targets], max(e.k for e in echoes))
+    out: dict[str, PromptLogprobs] = {}
+    at = 0
+    for e in echoes:
+        part = found[at : at + len(e.targets)]
+        at += len(e.targets)
+        out[e.session_id] = PromptLogprobs(
+            e.first, [TokenLogprobs(p.logprob, p.top[: e.k]) for p in part]
+        )
     return out
 
 

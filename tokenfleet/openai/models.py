@@ -184,7 +184,7 @@ class _GenerationParams(_Strict):
     """What completions and chat completions share."""
 
     model: str = Field(min_length=1, max_length=256)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
@@ -335,8 +335,13 @@ class _GenerationParams(_Strict):
             if self.logit_bias
             else None,
             "logprobs": self.logprobs_asked(),
+            "prompt_logprobs": self.prompt_logprobs_asked(),
         }
         return {k: v for k, v in given.items() if v is not None}
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """The job's `prompt_logprobs` (completions' echo); None: it asks none."""
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -434,17 +439,33 @@ class CompletionRequest(_GenerationParams):
             raise ValueError(f"logprobs is {value}: give 0 to MAX_TOP_LOGPROBS={MAX_TOP_LOGPROBS}")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
             raise ValueError(
-                "echo is not supported: the fleet does not return the prompt or its logprobs"
+                "max_tokens 0 generates nothing: it is allowed with echo (the prompt's "
+                "logprobs) only"
             )
-        return value
+        return self
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """With echo, the worker reports the prompt back: with its logprobs when the request
+        asks for logprobs, and for a token-id prompt in any case (the gateway has no
+        tokenizer to write it as text). A text prompt without logprobs is echoed here."""
+        if not self.echo:
+            return None
+        if self.logprobs is not None:
+            return self.logprobs
+        value: Any = self.prompt
+        one = (
+            value[0]
+            if isinstance(value, list) and value and isinstance(value[0], str | list)
+            else value
+        )
+        return None if isinstance(one, str) else 0
 
     @field_validator("best_of")
     @classmethod
@@ -573,7 +594,7 @@ class ChatCompletionRequest(_GenerationParams):
     """POST /v1/chat/completions. The worker renders `messages` with its chat template."""
 
     messages: list[ChatMessageIn] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
     logprobs: bool | None = None
     top_logprobs: int | None = None  # with logprobs: the k most likely tokens too
     # function calling: the tools' schemas hold the calls (tokenfleet.tools)
@@ -596,6 +617,12 @@ class ChatCompletionRequest(_GenerationParams):
                 )
         elif choice == "required" and not self.tools:
             raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    @model_validator(mode="after")
+    def _some_tokens(self) -> ChatCompletionRequest:
+        if self.max_tokens == 0 or self.max_completion_tokens == 0:
+            raise ValueError("max_tokens must be at least 1 (0 is for completions with echo)")
         return self
 
     @field_validator("max_completion_tokens")
@@ -723,8 +750,8 @@ class CompletionLogprobs(_Out):
     `text_offset`: where each token's text starts in the choice's text."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -38,7 +38,14 @@ from tokenfleet.openai.models import (
     TopLogprobOut,
     UsageOut,
 )
-from tokenfleet.protocol import FinishEvent, FunctionTool, TokenEvent, TokenLogprob, ToolCall
+from tokenfleet.protocol import (
+    FinishEvent,
+    FunctionTool,
+    PromptEcho,
+    TokenEvent,
+    TokenLogprob,
+    ToolCall,
+)
 from tokenfleet.reasons import FinishReason
 from tokenfleet.tools import DEFAULT_FORMAT, CallStream, ToolFormat, split_calls
 
@@ -79,6 +86,16 @@ def reads_calls(
     return {"tools": tools, "tool_format": fmt} if tools else {}
 
 
+def echoes(parsed: CompletionRequest | ChatCompletionRequest, prompt: str | None) -> dict[str, Any]:
+    """The `Renderer` fields that echo the prompt of a completions request that asks for
+    it; `prompt`: its job's text prompt (None: token ids), echoed as it is when the worker
+    sends none back (no logprobs asked)."""
+    if not isinstance(parsed, CompletionRequest) or not parsed.echo:
+        return {}
+    asked = parsed.prompt_logprobs_asked() is not None
+    return {"echo": True, "echo_text": None if asked else prompt, "logprobs": parsed.logprobs}
+
+
 def _fn(call: ToolCall) -> dict[str, str]:
     return {"name": call.name, "arguments": call.arguments}
 
@@ -114,17 +131,41 @@ class Renderer:
     # which choice of its request this one is, in bodies and chunks (several choices:
     # n > 1 or several prompts, gateway/fanout.py)
     index: int = 0
+    # completions' echo: the answer's text (and logprobs) begin with the prompt's, which
+    # the job's first token event or its finish carries (`PromptEcho`), or, for a text
+    # prompt without logprobs, `echo_text`; `logprobs`: the request's
+    echo: bool = False
+    echo_text: str | None = None
+    logprobs: int | None = None
     _calls: CallStream | None = field(default=None, init=False, repr=False)
     _offset: int = field(default=0, init=False, repr=False)  # streamed completion text so far
+    _echoed: bool = field(default=False, init=False, repr=False)  # the echo chunk went out
 
     @property
     def id(self) -> str:
         return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.job_id}"
 
-    def body(
-        self, text: str, finish: FinishEvent, logprobs: Sequence[TokenLogprob] | None = None
+    def answer_of(
+        self, tokens: Sequence[TokenEvent], finish: FinishEvent
     ) -> CompletionResponse | ChatCompletionResponse:
-        """`logprobs`: one per token, when the request asked for them."""
+        """The non-streamed body of a job that emitted `tokens`, then ended with `finish`:
+        with the tokens' logprobs when its job asked for them, and the prompt echoed
+        first when the request asked for that."""
+        text = "".join(e.text for e in tokens)
+        logprobs = [e.logprobs for e in tokens if e.logprobs is not None]
+        asked = bool(tokens) and len(logprobs) == len(tokens)
+        prompt = tokens[0].prompt if tokens else finish.prompt
+        return self.body(text, finish, logprobs if asked else None, prompt)
+
+    def body(
+        self,
+        text: str,
+        finish: FinishEvent,
+        logprobs: Sequence[TokenLogprob] | None = None,
+        prompt: PromptEcho | None = None,
+    ) -> CompletionResponse | ChatCompletionResponse:
+        """`logprobs`: one per token, when the request asked for them; `prompt`: the echo
+        the worker sent (completions with echo)."""
         reason = OPENAI_FINISH_REASON[finish.reason]
         if self.kind == "chat":
             message = ChatMessageOut(content=text)
@@ -151,6 +192,12 @@ class Renderer:
                 usage=usage_of(finish),
                 service_tier=self.service_tier,
             )
+        lp = None if logprobs is None else completion_logprobs(logprobs)
+        if self.echo:
+            head, head_lp = self._echo_parts(prompt)
+            if self.logprobs is not None:
+                lp = _joined(head_lp, completion_logprobs(logprobs or [], len(head)))
+            text = head + text
         return CompletionResponse(
             id=self.id,
             created=self.created,
@@ -159,7 +206,7 @@ class Renderer:
                 CompletionChoice(
                     index=self.index,
                     text=text,
-                    logprobs=None if logprobs is None else completion_logprobs(logprobs),
+                    logprobs=lp,
                     finish_reason=reason,
                     fleet_finish_reason=str(finish.reason),
                 )
@@ -188,16 +235,42 @@ class Renderer:
         head, tail = self._delta_template
         return head + json.dumps(text, ensure_ascii=False).encode() + tail
 
+    def _echo_parts(self, prompt: PromptEcho | None) -> tuple[str, CompletionLogprobs]:
+        """The echoed prompt's text and logprobs (the first token's are null, as OpenAI's)."""
+        if prompt is None:
+            return self.echo_text or "", completion_logprobs([])
+        first = TokenLogprob(logprob=0.0, token=prompt.first_token)
+        lp = completion_logprobs([first, *prompt.logprobs])
+        lp.token_logprobs[0] = None
+        lp.top_logprobs[0] = None
+        return prompt.text, lp
+
+    def echoed(self, prompt: PromptEcho | None) -> bytes:
+        """The echo's chunk, once, before the first token's (or the end's): b"" after it
+        went out, or when the request asked for no echo."""
+        if not self.echo or self._echoed:
+            return b""
+        self._echoed = True
+        text, lp = self._echo_parts(prompt)
+        self._offset += len(text)
+        logprobs = lp if self.logprobs is not None else None
+        if not text and logprobs is None:
+            return b""
+        choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=None)
+        return _sse(self._completion_chunk(choice))
+
     def token(self, event: TokenEvent) -> bytes:
         """One token event's chunk (b"" when it has nothing to say): its text, and its
-        logprobs when the job asked for them (then every token gets a chunk)."""
+        logprobs when the job asked for them (then every token gets a chunk); the echo's
+        chunk before the first."""
+        echo = self.echoed(event.prompt) if self.echo else b""
         if event.logprobs is None:
-            return self.delta(event.text) if event.text else b""
+            return echo + (self.delta(event.text) if event.text else b"")
         if self.kind == "completions":
             lp = completion_logprobs([event.logprobs], self._offset)
             self._offset += len(event.logprobs.token)
             choice = CompletionChoice(text=event.text, logprobs=lp, finish_reason=None)
-            return _sse(self._completion_chunk(choice))
+            return echo + _sse(self._completion_chunk(choice))
         text = self._call_stream().feed(event.text) if self.tools else event.text
         delta = ChatChunkChoice(
             delta=ChatDelta(content=text), logprobs=chat_logprobs([event.logprobs])
@@ -226,7 +299,7 @@ class Renderer:
         fleet = str(finish.reason)
         last: ChatCompletionChunk | CompletionResponse
         usage: ChatCompletionChunk | CompletionResponse
-        calls = b""
+        calls = self.echoed(finish.prompt)  # a job that emitted no token: echo now
         if self.kind == "chat" and self.tools:
             rest, found = self._call_stream().finish()
             if rest:
@@ -294,6 +367,15 @@ def chat_logprobs(entries: Sequence[TokenLogprob]) -> ChatLogprobs:
             )
             for e in entries
         ]
+    )
+
+
+def _joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        top_logprobs=a.top_logprobs + b.top_logprobs,
+        text_offset=a.text_offset + b.text_offset,
     )
 
 

@@ -15,8 +15,9 @@ from typing import Any, TypeVar
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
+from tokenfleet.connect import connect_async, is_cluster_url
 from tokenfleet.fleet import read_workers_async
-from tokenfleet.keys import DEFAULT_BAND, Keys
+from tokenfleet.keys import DEFAULT_BAND, DEFAULT_PREFIX, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
@@ -97,9 +98,14 @@ class AsyncProducer(ProducerCore[aredis.Redis]):
         return await self._run(self._capacity_plan(model))
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> AsyncProducer:
-        keys = Keys(prefix) if prefix else Keys()
-        return cls(aredis.Redis.from_url(url), keys=keys, **kwargs)
+    def from_url(
+        cls, url: str, *, prefix: str | None = None, partitions: int = 1, **kwargs: Any
+    ) -> AsyncProducer:
+        """A producer on the Redis at `url` (any form `tokenfleet.connect` reads,
+        `redis+cluster://` included; hash-tagged keys there), with `partitions` queue
+        partitions (as every process of the fleet says); it connects on its first call."""
+        keys = Keys(prefix or DEFAULT_PREFIX, partitions, tagged=is_cluster_url(url))
+        return cls(connect_async(url), keys=keys, **kwargs)
 
     async def submit(
         self,

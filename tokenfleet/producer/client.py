@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 
 import redis
 
+from tokenfleet.connect import connect, is_cluster_url
 from tokenfleet.fleet import read_workers
-from tokenfleet.keys import DEFAULT_BAND, Keys
+from tokenfleet.keys import DEFAULT_BAND, DEFAULT_PREFIX, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
@@ -102,9 +103,14 @@ class Producer(ProducerCore[redis.Redis]):
     """
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str | None = None, **kwargs: Any) -> Producer:
-        keys = Keys(prefix) if prefix else Keys()
-        return cls(redis.Redis.from_url(url), keys=keys, **kwargs)
+    def from_url(
+        cls, url: str, *, prefix: str | None = None, partitions: int = 1, **kwargs: Any
+    ) -> Producer:
+        """A producer on the Redis at `url` (any form `tokenfleet.connect` reads,
+        `redis+cluster://` included; hash-tagged keys there), with `partitions` queue
+        partitions (as every process of the fleet says)."""
+        keys = Keys(prefix or DEFAULT_PREFIX, partitions, tagged=is_cluster_url(url))
+        return cls(connect(url), keys=keys, **kwargs)
 
     def _run(self, plan: ops.Plan[T]) -> T:
         step = ops.Step(plan)
@@ -140,7 +146,8 @@ class Producer(ProducerCore[redis.Redis]):
     def set_queue_cap(self, cap: int, model: str | None = None) -> None:
         if cap < 1:
             raise ValueError("queue cap must be at least 1")
-        self.redis.set(self.keys.queue_cap(model), cap)
+        for p in self.keys.partitions_all:  # each partition's copy: submit.lua reads its own
+            self.redis.set(self.keys.queue_cap(model, p), cap)
 
     def queue_cap(self, model: str | None = None) -> int:
         value = self.redis.get(self.keys.queue_cap(model))

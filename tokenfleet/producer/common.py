@@ -26,7 +26,7 @@ from tokenfleet.protocol import (
     GenerationRequest,
     JobResult,
     TokenEvent,
-    decode_event,
+    decode_events,
     encode,
 )
 from tokenfleet.reasons import FinishReason
@@ -60,16 +60,18 @@ def encode_request(request: GenerationRequest) -> bytes:
 def submit_call(
     keys: Keys, request: GenerationRequest, payload: bytes, default_cap: int
 ) -> SubmitCall:
-    """The submit.lua call that accepts `request` (its slots: the script's header)."""
+    """The submit.lua call that accepts `request` (its slots: the script's header), all
+    in the job's partition."""
+    p = keys.partition_of(request.job_id)
     return SubmitCall(
-        stream=keys.jobs(request.model, request.priority),
-        cap=keys.queue_cap(request.model),
+        stream=keys.jobs(request.model, request.priority, p),
+        cap=keys.queue_cap(request.model, p),
         hash=keys.job(request.job_id),
-        models=keys.models(),
-        queued=keys.tenant_queued(request.tenant, request.model),
-        limits=keys.tenant_limits(request.tenant),
-        default_limits=keys.tenant_limits(None),
-        tenants=keys.tenants(),
+        models=keys.models(p),
+        queued=keys.tenant_queued(request.tenant, request.model, p),
+        limits=keys.tenant_limits(request.tenant, p),
+        default_limits=keys.tenant_limits(None, p),
+        tenants=keys.tenants(p),
         job_id=request.job_id,
         payload=payload,
         default_cap=default_cap,
@@ -93,7 +95,7 @@ def parse_submit_reply(keys: Keys, request: GenerationRequest, reply: list[Any])
     """Turn the script's reply into a `SubmitReply`, or raise `QueueFull` (the band is
     full) or `TenantQueueFull` (the job's tenant is at its queued limit)."""
     answer = SubmitCall.parse(reply)
-    stream = keys.jobs(request.model, request.priority)
+    stream = keys.jobs(request.model, request.priority, keys.partition_of(request.job_id))
     if answer.verdict == "full":
         raise QueueFull(depth=answer.held, cap=answer.limit, stream=stream)
     if answer.verdict == "tenant_full":
@@ -150,7 +152,9 @@ class EventAssembler:
             self.pending.setdefault(event.index, event)
 
     def feed_raw(self, data: bytes) -> None:
-        self.feed(decode_event(data))
+        """One replay entry's or live message's events (one, or several coalesced)."""
+        for event in decode_events(data):
+            self.feed(event)
 
     def replay_start(self) -> str:
         """XRANGE's start on the replay stream: everything, or what follows the last

@@ -111,8 +111,12 @@ class ProducerCore(Generic[C]):
             return Submitted(request.job_id, None, exc)
 
     def _depth_plan(self, model: str | None, band: str) -> Plan[int]:
-        """Accepted, unfinished jobs of one band: XLEN of its jobs stream."""
-        return int((yield Command("XLEN", self.keys.jobs(model, band))))
+        """Accepted, unfinished jobs of one band: XLEN of its jobs stream (the sum over
+        the queue's partitions)."""
+        total = 0
+        for p in self.keys.partitions_all:
+            total += int((yield Command("XLEN", self.keys.jobs(model, band, p))))
+        return total
 
 
 P = TypeVar("P", bound=ProducerCore[Any])

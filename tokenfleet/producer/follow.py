@@ -175,8 +175,9 @@ class ResultWait:
     """`result()`'s rules, without the I/O.
 
     Each look is one round trip: GET the result, EXISTS the job hash (`look`, `absorb`).
-    Between looks the loop (`wait_result`) waits `pause()` seconds for any message on
-    the live channel (only a cue to look again). On a lost connection: drop the
+    Between looks the loop (`wait_result`) waits `pause()` seconds at a time for a
+    message on the live channel holding the finish event (only a cue to look again);
+    tokens are not looked after, a silence is. On a lost connection: drop the
     subscription, sleep `disconnected()` seconds, subscribe again. `timeout` bounds the
     whole wait (JobTimeout), outages included: one still going when it passes raises
     its error.
@@ -264,8 +265,24 @@ def wait_result(wait: ResultWait, keys: Keys) -> Plan[JobResult]:
             result = wait.absorb(*(yield wait.look(keys)))
             if result is not None:
                 return result
-            # Any event on the channel is a cue to look again; silence re-checks anyway.
-            yield Listen(wait.pause(time.monotonic()))
+            # A message holding a finish event is the cue to look again, and so is a
+            # silence (a message can be lost); a token is not: a look per token cost Redis
+            # more than streaming the tokens (docs/benchmarks.md, coordination cost).
+            while not _may_end((yield Listen(wait.pause(time.monotonic())))):
+                pass
         except redis.RedisError as exc:  # what is not a lost connection is raised
             subscribed = False
             yield Disconnect(wait.disconnected(exc, time.monotonic()))
+
+
+_FINISH_TYPE = b"\xa6finish"  # msgpack of the string "finish": a finish event's type
+
+
+def _may_end(message: dict[str, Any] | None) -> bool:
+    """Whether a wait on the job's channel should look for the result now: after a
+    silence (None), or a message that may hold its finish event (a token whose text is
+    "finish" looks once more, harmlessly); not after a token or a subscribe reply."""
+    if message is None:
+        return True
+    data = message.get("data")
+    return message.get("type") == "message" and isinstance(data, bytes) and _FINISH_TYPE in data

@@ -29,11 +29,17 @@ from tokenfleet.keys import BANDS, Band
 from tokenfleet.kv.prefix import cache_scope, chain_hashes, root_hash
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.detokenizer import IncrementalDetokenizer
-from tokenfleet.protocol import ErrorInfo, GenerationRequest, TokenEvent
+from tokenfleet.protocol import (
+    MAX_PROMPT_LOGPROB_ENTRIES,
+    ErrorInfo,
+    GenerationRequest,
+    TokenEvent,
+)
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
 from tokenfleet.seam import (
     DecodeStep,
     ModelRunner,
+    PromptLogprobs,
     Sampled,
     SeqState,
     SeqStatus,
@@ -310,6 +316,9 @@ class Engine:
         generated = [0] * len(BANDS)  # sampled tokens per band
         for sid, (token, sampled) in picks.items():
             session = self.sessions[sid]
+            if session.max_new_tokens == 0:  # prefill only: its prompt is all it wanted
+                self._end(session, FinishReason.LENGTH, now)
+                continue
             generated[band_of(session)] += 1
             try:
                 logprobs = None if sampled is None else self.token_texts.logprob(token, sampled)
@@ -366,8 +375,17 @@ class Engine:
         finally:
             self._runner_s += time.perf_counter() - started
         if isinstance(tokens, Sampled):
+            for sid, found in tokens.prompt.items():
+                self._record_prompt(self.sessions[sid], found)
             return dict(zip(ids, zip(tokens.tokens, tokens.logprobs, strict=True), strict=True))
         return {sid: (token, None) for sid, token in zip(ids, tokens, strict=True)}
+
+    def _record_prompt(self, session: Session, found: PromptLogprobs) -> None:
+        prompt, texts = session.prompt_ids, self.token_texts
+        session.record_prompt(
+            found.first,
+            [texts.logprob(prompt[found.first + i], lp) for i, lp in enumerate(found.logprobs)],
+        )
 
     # ---- lifecycle -----------------------------------------------------------------
 
@@ -396,6 +414,14 @@ class Engine:
                 f" exceeds the model's context length ({limit})"
             )
         s = request.sampling
+        if s.prompt_logprobs is not None:
+            entries = len(prompt_ids) * (s.prompt_logprobs + 1)
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise ValueError(
+                    f"the prompt's logprobs would be {len(prompt_ids):,} tokens x "
+                    f"{s.prompt_logprobs + 1} entries, over MAX_PROMPT_LOGPROB_ENTRIES="
+                    f"{MAX_PROMPT_LOGPROB_ENTRIES:,}: ask fewer top logprobs or a shorter prompt"
+                )
         stop_ids = frozenset(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.spec.eos_token_ids
@@ -418,7 +444,7 @@ class Engine:
             logit_bias=bias,
             logprobs=s.logprobs,
         )
-        return Session(
+        session = Session(
             request=request,
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -429,6 +455,12 @@ class Engine:
             matcher=matcher,
             grammar=grammar,
         )
+        if session.echoes:  # the prompt as its client sent it, else as the model reads it
+            session.first_token_text = self.token_texts.text(prompt_ids[0])
+            session.prompt_text = request.prompt or (
+                "" if tokenizer is None else tokenizer.decode(prompt_ids)
+            )
+        return session
 
     def _admission_request(self, session: Session) -> AdmissionRequest:
         return AdmissionRequest(
@@ -440,7 +472,9 @@ class Engine:
         )
 
     def _hash_root(self, session: Session) -> bytes | None:
-        if not self.blocks.prefix_cache:
+        """None: the session neither shares nor registers cached blocks (no prefix cache,
+        or a job asking for its prompt's logprobs: every prompt position is computed)."""
+        if not self.blocks.prefix_cache or session.echoes:
             return None
         return root_hash(self.spec.cache_identity, session.cache_scope, session.request.cache_salt)
 
@@ -466,6 +500,7 @@ class Engine:
             output_ids=session.emitted,
             hash_root=self._hash_root(session),
             block_hashes=list(self._block_hashes(session)),
+            prompt_logprobs=session.request.sampling.prompt_logprobs,
         )
         self.sessions[session.job_id] = session
         try:

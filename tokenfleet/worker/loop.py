@@ -60,6 +60,7 @@ import redis
 
 from tokenfleet.backoff import Backoff
 from tokenfleet.keys import BANDS, GROUP, Keys
+from tokenfleet.protocol import MAX_STREAM_INTERVAL
 from tokenfleet.redis_errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.intake import Held, Intake
@@ -92,7 +93,18 @@ class WorkerOptions:
     deferred_backoff_s: float = 0.05
     reconnect_max_s: float = 5.0
     overlap: bool = True  # read a tick's replies after the next forward (see `iteration`)
+    # Send a job's token events every this many ticks, coalesced into one replay entry
+    # and one message (its first token and its end at once): Redis's work per token
+    # falls about as 1/interval, each token waits up to interval-1 ticks more
+    # (docs/benchmarks.md, coordination cost)
+    stream_interval: int = 1
     info: dict[str, Any] = field(default_factory=dict)  # identity fields for the heartbeat
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(
+                f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {self.stream_interval}"
+            )
 
 
 @dataclass
@@ -259,7 +271,8 @@ class Worker:
         lost or cancelled is dropped one tick later than it could be, never written."""
         if self._resync:
             self._resync_after_reconnect()
-        if self.in_flight is None and any(h.dirty for h in self.held.values()):
+        interval = self._interval
+        if self.in_flight is None and any(h.outbox.due(interval) for h in self.held.values()):
             self.publish()  # catch up (after a failure) before computing anything new
             return
         self.tick()
@@ -345,7 +358,8 @@ class Worker:
         """Send, without waiting: every held job's fenced writes, the heartbeat when due,
         and a read of the entries the engine has room for next (WorkerQueue.send)."""
         assert self.in_flight is None, "a round trip is already in flight"
-        held = list(self.held.values())
+        interval = self._interval
+        held = [h for h in self.held.values() if h.outbox.in_tick(interval)]
         writes = [h.write() for h in held]
         pull = None
         if not self.draining and (self.engine.has_work or held):
@@ -365,6 +379,11 @@ class Worker:
                 h.outbox.end if w.end is None else None for h, w in zip(held, writes, strict=True)
             ]
             self.in_flight = _Sent(trip, held, errors)
+
+    @property
+    def _interval(self) -> int:
+        """Ticks a job's tokens are coalesced over; 1 while draining (nothing held back)."""
+        return 1 if self.draining else self.options.stream_interval
 
     def _floor_bands(self) -> tuple[str, ...]:
         """The lower bands this worker holds no job of, about once a second (pull.lua

@@ -1,10 +1,11 @@
 """Building a worker: what `tokenfleet worker` runs, without the command line.
 
 `build_worker` turns `WorkerSettings` into a ready `Worker`: the model loaded onto
-its device, an `Engine` holding the node's budget (with the fault hook the fault
-tests use), a Redis client, and the loop around them. It reads no environment
-variable and no flag itself (the settings did), so a test builds a worker the way
-the command does.
+its device (or, with `runner="sim"`, a `SimRunner` that paces ticks like a GPU and
+loads no model: torch is not even imported), an `Engine` holding the node's budget
+(with the fault hook the fault tests use), a Redis client, and the loop around them.
+It reads no environment variable and no flag itself (the settings did), so a test
+builds a worker the way the command does.
 
 Process-wide set-up stays with the caller: logging, signal handlers
 (`Worker.install_signal_handlers`) and the exit code of `Worker.run()`.
@@ -15,16 +16,13 @@ from __future__ import annotations
 import logging
 import platform
 from collections.abc import Callable
-from typing import Any
-
-import redis
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tokenfleet.config import WorkerSettings
+from tokenfleet.connect import connect
 from tokenfleet.errors import ModelLoadError, TokenfleetError
-from tokenfleet.keys import Keys
-from tokenfleet.model.build import LoadedModel
-from tokenfleet.model.loader import load_model
+from tokenfleet.model.sim_runner import SimPace, SimRunner
+from tokenfleet.seam import ModelRunner
 from tokenfleet.tools import tool_format
 from tokenfleet.worker.bands import FairnessConfig
 from tokenfleet.worker.engine import Engine, EngineConfig
@@ -32,6 +30,9 @@ from tokenfleet.worker.loop import Worker, WorkerOptions, default_worker_name
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.session import Session
 from tokenfleet.worker.threads import ThreadGovernor
+
+if TYPE_CHECKING:
+    from tokenfleet.model.build import LoadedModel
 
 __all__ = ["InvalidBudget", "build_worker", "engine_config", "fault_on_metadata", "worker_options"]
 
@@ -80,6 +81,7 @@ def worker_options(settings: WorkerSettings, info: dict[str, Any]) -> WorkerOpti
         max_deliveries=settings.max_deliveries,
         drain_timeout_s=settings.drain_timeout,
         overlap=settings.overlap,
+        stream_interval=settings.stream_interval,
         info=info,
     )
 
@@ -92,10 +94,41 @@ def build_worker(settings: WorkerSettings) -> Worker:
     the cores other processes leave free (`worker.threads.ThreadGovernor`).
     `settings.compile` unset compiles quantized weights only (measured faster there).
 
+    `settings.runner == "sim"` builds a `SimRunner` paced by `sim_tok_s` and
+    `sim_tick_ms` instead: no model, no torch, no thread governor, no compile.
+
     Raises `ModelLoadError` when the model cannot be loaded onto the device, and
     `InvalidBudget` when the engine's budget is invalid or does not fit it.
     """
     engine = engine_config(settings)  # before the model loads: a bad flag fails fast
+    model: ModelRunner | LoadedModel
+    if settings.runner == "sim":
+        model, info, governor = _sim_runner(settings)
+    else:
+        model, info, governor = _torch_model(settings)
+    options = worker_options(settings, info)
+    fault = fault_on_metadata(settings.fault_key) if settings.fault_key is not None else None
+    try:
+        core = Engine(model, engine, worker=options.name, fault=fault, threads=governor)
+    except ValueError as exc:
+        raise InvalidBudget(f"invalid budget: {exc}") from exc
+    metrics = None
+    if settings.metrics_port is not None:
+        metrics = WorkerMetrics(options.name, options.info["model"])
+        metrics.serve(settings.metrics_port)
+    client = connect(settings.redis_url, socket_timeout=10, health_check_interval=5)
+    return Worker(core, client, settings.keys(), options, metrics)
+
+
+def _torch_model(
+    settings: WorkerSettings,
+) -> tuple[LoadedModel, dict[str, Any], ThreadGovernor | None]:
+    """The model loaded (and compiled where asked), what the heartbeat says about it, and
+    the thread governor of a CPU worker whose threads were not pinned."""
+    import torch
+
+    from tokenfleet.model.loader import load_model
+
     if settings.threads:
         torch.set_num_threads(settings.threads)
     loaded = load_model(
@@ -105,18 +138,24 @@ def build_worker(settings: WorkerSettings) -> Worker:
     governor = None
     if not settings.threads and loaded.device.type == "cpu":
         governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
-    options = worker_options(settings, _heartbeat_info(settings, loaded, compile_info))
-    fault = fault_on_metadata(settings.fault_key) if settings.fault_key is not None else None
-    try:
-        core = Engine(loaded, engine, worker=options.name, fault=fault, threads=governor)
-    except ValueError as exc:
-        raise InvalidBudget(f"invalid budget: {exc}") from exc
-    metrics = None
-    if settings.metrics_port is not None:
-        metrics = WorkerMetrics(options.name, options.info["model"])
-        metrics.serve(settings.metrics_port)
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, health_check_interval=5)
-    return Worker(core, client, Keys(settings.prefix), options, metrics)
+    return loaded, _heartbeat_info(settings, loaded, compile_info), governor
+
+
+def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], None]:
+    """A `SimRunner` at the settings' pace and what the heartbeat says about it."""
+    runner = SimRunner(SimPace(settings.sim_tok_s, settings.sim_tick_ms / 1000))
+    info = {
+        "model": settings.model_name or "default",
+        "checkpoint": "sim",
+        "runner": "sim",
+        "sim_tok_s": settings.sim_tok_s,
+        "sim_tick_ms": settings.sim_tick_ms,
+        "device": "sim",
+        "sampling_defaults": {},
+        "tool_format": str(tool_format(runner.tokenizer.chat_template)),
+        "host": platform.node(),
+    }
+    return runner, info, None
 
 
 def _heartbeat_info(

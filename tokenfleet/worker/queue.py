@@ -3,7 +3,9 @@ finishes), dead-letter, heartbeat, and claim the jobs of workers that died.
 
 A model's queue is one stream per priority band (keys.bands): `pull` reads the
 highest band first, with a fleet-wide starvation guard (pull.lua); every other call
-acts on the stream its entry came from (`Delivery.stream`).
+acts on the stream its entry came from (`Delivery.stream`). A partitioned queue
+(keys.py: P parts, each script call within one) is read one partition per pull, in
+turn; a tick writes one tick.lua call per partition it holds jobs of.
 
 Ownership is the rule everything here keeps: a jobs-stream entry belongs to the
 consumer it is pending to (`XPENDING`). `tick` and `dead_letter` write for a job
@@ -69,7 +71,7 @@ from tokenfleet.lua.calls import (
     Verdict,
     timestamp,
 )
-from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_event, encode
+from tokenfleet.protocol import FinishEvent, JobResult, TokenEvent, decode_events, encode
 from tokenfleet.redis_errors import RedisAccessError, is_missing_group
 from tokenfleet.worker.recovery import Delivery, claim_orphan_entries, delivery
 
@@ -116,8 +118,11 @@ class WorkerQueue:
         self.keys = keys
         self.worker = worker
         self.model = model
-        self.bands = keys.bands(model)  # every band with its stream, highest first
+        # every partition's bands with their streams, highest first
+        self.parts = [keys.bands(model, p) for p in keys.partitions_all]
+        self.bands = [band for part in self.parts for band in part]
         self._band_of = {band.stream: band for band in self.bands}
+        self._turn = 0  # the partition the next pull reads (round robin)
         self.guard = STARVATION_GUARD
         self._pull = client.register_script(PULL_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
@@ -178,15 +183,27 @@ class WorkerQueue:
             return self._read(count, block_ms)
 
     def _read(self, count: int, block_ms: int | None) -> list[Delivery]:
-        got = self.parse_pull(_run(self._pull, self._pull_call(count)))
-        if got or block_ms is None:
-            return got
-        streams = dict.fromkeys(self.streams, ">")
-        reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, block_ms)
+        for _ in self.parts:  # each partition in turn, until one has entries
+            part = self._next_part()
+            got = self.parse_pull(_run(self._pull, self._pull_call(count, part=part)), part)
+            if got:
+                return got
+        if block_ms is None:
+            return []
+        # Blocked on one partition's bands (a read across slots is refused on a cluster):
+        # the next idle read waits on the next partition.
+        wait = block_ms if block_ms == 0 else max(10, block_ms // len(self.parts))
+        streams = dict.fromkeys((b.stream for b in self.parts[self._next_part()]), ">")
+        reply = self.redis.xreadgroup(GROUP, self.worker, streams, 1, wait)
         return [
             delivery(entry_id, fields, 1, self._band_of[stream])
             for stream, entry_id, fields in _named(reply)
         ]
+
+    def _next_part(self) -> int:
+        part = self._turn
+        self._turn = (part + 1) % len(self.parts)
+        return part
 
     @property
     def streams(self) -> list[str]:
@@ -199,27 +216,34 @@ class WorkerQueue:
     def ping(self) -> None:
         self.redis.ping()
 
-    def pull(self, count: int, pipe: Any, extra: int = 0, floor: Sequence[str] = ()) -> None:
+    def pull(self, count: int, pipe: Any, extra: int = 0, floor: Sequence[str] = ()) -> int:
         """Queue a read of up to `count` new entries (pull.lua) on `pipe`, plus up to
         `extra` more of the highest band alone, plus one of each band in `floor` that has
-        entries waiting (bands this worker holds no job of); its reply goes to
-        `parse_pull`. Loaded at start (`load_scripts`), like tick.lua."""
-        _queue(pipe, self._pull.sha, self._pull_call(count, extra, floor))
+        entries waiting (bands this worker holds no job of), from the next partition in
+        turn, whose number it returns; its reply goes to `parse_pull` with it. Loaded at
+        start (`load_scripts`), like tick.lua."""
+        part = self._next_part()
+        _queue(pipe, self._pull.sha, self._pull_call(count, extra, floor, part))
+        return part
 
-    def _pull_call(self, count: int, extra: int = 0, floor: Sequence[str] = ()) -> PullCall:
-        bands = [PullBand(stream=b.stream, name=b.name, floor=b.name in floor) for b in self.bands]
+    def _pull_call(
+        self, count: int, extra: int = 0, floor: Sequence[str] = (), part: int = 0
+    ) -> PullCall:
+        bands = [
+            PullBand(stream=b.stream, name=b.name, floor=b.name in floor) for b in self.parts[part]
+        ]
         return PullCall(
             worker=self.worker,
             bands=bands,
-            pulls=self.keys.pulls(self.model),
+            pulls=self.keys.pulls(self.model, part),
             count=count,
             guard=self.guard,
             extra=extra,
         )
 
-    def parse_pull(self, reply: Any) -> list[Delivery]:
+    def parse_pull(self, reply: Any, part: int = 0) -> list[Delivery]:
         return [
-            delivery(got.entry_id, got.fields, 1, self.bands[got.band])
+            delivery(got.entry_id, got.fields, 1, self.parts[part][got.band])
             for got in PullCall.parse(reply)
         ]
 
@@ -232,19 +256,22 @@ class WorkerQueue:
         whether the caller resumes after tokens already published."""
         if count <= 0:
             return []
-        try:
-            reply = self.redis.xreadgroup(
-                GROUP, self.worker, dict.fromkeys(self.streams, "0"), count
-            )
-        except ResponseError as exc:
-            if not is_missing_group(exc):
-                raise
-            self.ensure_group()
-            return []
-        return [
-            delivery(entry_id, fields, 2, self._band_of[stream])
-            for stream, entry_id, fields in _named(reply)
-        ]
+        found: list[Delivery] = []
+        for part in self.parts:  # one partition a read: one slot on a cluster
+            try:
+                reply = self.redis.xreadgroup(
+                    GROUP, self.worker, dict.fromkeys((b.stream for b in part), "0"), count
+                )
+            except ResponseError as exc:
+                if not is_missing_group(exc):
+                    raise
+                self.ensure_group()
+                continue
+            found += [
+                delivery(entry_id, fields, 2, self._band_of[stream])
+                for stream, entry_id, fields in _named(reply)
+            ]
+        return found
 
     def accept(self, deliveries: Sequence[Delivery]) -> list[Accepted]:
         """Check entries against their jobs' state and mark the genuine ones running here
@@ -253,36 +280,50 @@ class WorkerQueue:
         if not deliveries:
             return []
         k = self.keys
-        entries = []
-        for d in deliveries:
-            assert d.job_id is not None, "accept() needs the entry's job id"
-            queued, running = self._tenant_keys(d)
-            entries.append(
-                AcceptEntry(
-                    stream=d.stream,
-                    hash=k.job(d.job_id),
-                    cancel=k.cancel(d.job_id),
-                    queued=queued,
-                    running=running,
-                    limits=k.tenant_limits(d.tenant),
-                    default_limits=k.tenant_limits(None),
-                    entry_id=d.entry_id,
-                    job_id=d.job_id,
+        verdicts: dict[int, Accepted] = {}
+        for part, indexed in _by_partition(deliveries).items():  # one call a partition
+            entries = []
+            for _, d in indexed:
+                assert d.job_id is not None, "accept() needs the entry's job id"
+                queued, running = self._tenant_keys(d)
+                entries.append(
+                    AcceptEntry(
+                        stream=d.stream,
+                        hash=k.job(d.job_id),
+                        cancel=k.cancel(d.job_id),
+                        queued=queued,
+                        running=running,
+                        limits=k.tenant_limits(d.tenant, part),
+                        default_limits=k.tenant_limits(None, part),
+                        entry_id=d.entry_id,
+                        job_id=d.job_id,
+                    )
                 )
-            )
-        call = AcceptCall(worker=self.worker, now=timestamp(), entries=entries)
-        return call.parse(_run(self._accept, call))
+            call = AcceptCall(worker=self.worker, now=timestamp(), entries=entries)
+            for (i, _), got in zip(indexed, call.parse(_run(self._accept, call)), strict=True):
+                verdicts[i] = got
+        return [verdicts[i] for i in range(len(deliveries))]
 
     def _tenant_keys(self, d: Delivery) -> tuple[str, str]:
-        """The tenant's queued and running sets, which every terminal write leaves."""
+        """The tenant's queued and running sets (of the entry's partition), which every
+        terminal write leaves."""
+        part = d.band.partition
         return (
-            self.keys.tenant_queued(d.tenant, self.model),
-            self.keys.tenant_running(d.tenant, self.model),
+            self.keys.tenant_queued(d.tenant, self.model, part),
+            self.keys.tenant_running(d.tenant, self.model, part),
         )
 
-    def tick(self, writes: Sequence[TickWrite], pipe: Any) -> None:
-        """Queue one tick's fenced writes for every held job on `pipe` (tick.lua); the
-        pipeline's reply for it goes to `parse_tick`."""
+    def tick(self, writes: Sequence[TickWrite], pipe: Any) -> list[list[int]]:
+        """Queue one tick's fenced writes for every held job on `pipe` (tick.lua): one call
+        per partition the writes are of. Returns, per call in order, the indices of the
+        writes it carries; its replies go to `parse_tick` with them."""
+        order: list[list[int]] = []
+        for indexed in _by_partition([w.delivery for w in writes]).values():
+            order.append([i for i, _ in indexed])
+            self._tick_call([writes[i] for i, _ in indexed], pipe)
+        return order
+
+    def _tick_call(self, writes: Sequence[TickWrite], pipe: Any) -> None:
         held = []
         for w in writes:
             end = None
@@ -325,13 +366,13 @@ class WorkerQueue:
         if not writes and not reads and heartbeat is None:
             return None
         pipe = self.redis.pipeline(transaction=False)
-        if writes:
-            self.tick(writes, pipe)
+        order = self.tick(writes, pipe) if writes else []
+        part = None
         if pull is not None and reads:
-            self.pull(pull.count, pipe, pull.extra, pull.floor)
+            part = self.pull(pull.count, pipe, pull.extra, pull.floor)
         if heartbeat is not None:
             self.heartbeat(heartbeat, pipe=pipe)
-        return RoundTrip(self, InFlight(self.redis, pipe), bool(writes), reads)
+        return RoundTrip(self, InFlight(self.redis, pipe), order, part)
 
     def recovered(self, exc: Exception) -> bool:
         """Whether `exc` from a round trip was a Redis that lost its scripts or its
@@ -380,11 +421,12 @@ class WorkerQueue:
             if not isinstance(data, bytes):
                 continue
             try:
-                event = decode_event(data)
+                events = decode_events(data)  # one, or a worker's coalesced ticks
             except ProtocolError:
                 continue
-            if isinstance(event, TokenEvent) and event.job_id == job_id:
-                by_index.setdefault(event.index, event.token_id)
+            for event in events:
+                if isinstance(event, TokenEvent) and event.job_id == job_id:
+                    by_index.setdefault(event.index, event.token_id)
         tokens: list[int] = []
         while len(tokens) in by_index:
             tokens.append(by_index[len(tokens)])
@@ -473,7 +515,7 @@ class WorkerQueue:
             )
         call = DeadLetterCall(
             stream=delivery.stream,
-            dead_letters=self.keys.dead_letters(),
+            dead_letters=self.keys.dead_letters(delivery.band.partition),
             worker=self.worker,
             entry_id=delivery.entry_id,
             now=timestamp(),
@@ -502,6 +544,9 @@ class WorkerQueue:
         target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
         target.hset(key, mapping={name: json.dumps(value) for name, value in fields.items()})
         target.expire(key, WORKER_TTL_S)
+        if self.keys.is_tagged:  # the flags claim_orphans.lua reads, one per partition
+            for p in self.keys.partitions_all:
+                target.set(self.keys.alive(self.worker, p), 1, ex=WORKER_TTL_S)
         target.zadd(self.keys.workers(), {self.worker: time.time()})
         target.publish(self.keys.telemetry_channel(), json.dumps(fields))
         if pipe is None:
@@ -509,8 +554,11 @@ class WorkerQueue:
 
     def leave(self) -> None:
         """Clean exit: drop the heartbeat now, so entries left pending are claimable at once."""
-        pipe = self.redis.pipeline(transaction=True)
+        pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.worker(self.worker))
+        if self.keys.is_tagged:
+            for p in self.keys.partitions_all:
+                pipe.delete(self.keys.alive(self.worker, p))
         pipe.zrem(self.keys.workers(), self.worker)
         pipe.execute()
 
@@ -544,32 +592,43 @@ class Replies:
 
 
 class RoundTrip:
-    """One tick's pipeline, sent and not yet read (see `WorkerQueue.send`)."""
+    """One tick's pipeline, sent and not yet read (see `WorkerQueue.send`): `order`, the
+    writes each tick.lua call carries (one call per partition); `part`, the partition
+    its pull read (None: no pull)."""
 
-    def __init__(self, queue: WorkerQueue, call: InFlight, writes: bool, reads: bool) -> None:
+    def __init__(
+        self, queue: WorkerQueue, call: InFlight, order: list[list[int]], part: int | None
+    ) -> None:
         self._queue = queue
         self._call = call
-        self._writes = writes
-        self._reads = reads
+        self._order = order
+        self._part = part
 
     def replies(self) -> Replies:
-        """Wait for the replies and name them (see `Replies`)."""
+        """Wait for the replies and name them (see `Replies`). When one partition's tick
+        call failed, `tick` is None: every write goes out again (tick.lua appends only
+        what a stream lacks, and a finished job's second terminal write is refused)."""
         got = iter(self._call.replies())
         tick: list[TickReply] | None = None
         pulled: list[Delivery] = []
         failures: list[Exception] = []
-        if self._writes:
-            reply = next(got)
-            if isinstance(reply, Exception):
-                failures.append(reply)  # the writes stay in the sessions: sent again
-            else:
-                tick = self._queue.parse_tick(reply)
-        if self._reads:
+        if self._order:
+            by_write: dict[int, TickReply] = {}
+            for indices in self._order:
+                reply = next(got)
+                if isinstance(reply, Exception):
+                    failures.append(reply)  # the writes stay in the sessions: sent again
+                    continue
+                for i, verdict in zip(indices, self._queue.parse_tick(reply), strict=True):
+                    by_write[i] = verdict
+            if len(by_write) == sum(len(indices) for indices in self._order):
+                tick = [by_write[i] for i in range(len(by_write))]
+        if self._part is not None:
             reply = next(got)
             if isinstance(reply, Exception):
                 failures.append(reply)  # nothing was read: the next round trip reads
             else:
-                pulled = self._queue.parse_pull(reply)
+                pulled = self._queue.parse_pull(reply, self._part)
         failures += [r for r in got if isinstance(r, Exception)]  # the heartbeat's
         return Replies(tick, pulled, [f for f in failures if not self._queue.recovered(f)])
 
@@ -616,6 +675,14 @@ class InFlight:
     def abandon(self) -> None:
         self.conn.disconnect()
         self.client.connection_pool.release(self.conn)
+
+
+def _by_partition(deliveries: Sequence[Delivery]) -> dict[int, list[tuple[int, Delivery]]]:
+    """Deliveries by the partition their stream is of, each with its index, in order."""
+    out: dict[int, list[tuple[int, Delivery]]] = {}
+    for i, d in enumerate(deliveries):
+        out.setdefault(d.band.partition, []).append((i, d))
+    return out
 
 
 def _str(value: Any) -> str:

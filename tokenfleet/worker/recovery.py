@@ -98,7 +98,7 @@ def claim_orphan_entries(
     call = ClaimOrphansCall(
         stream=stream,
         worker=worker,
-        candidates=[Candidate(hash=keys.worker(name), name=name) for name in others],
+        candidates=[Candidate(hash=keys.alive(name, band.partition), name=name) for name in others],
         min_idle_ms=min_idle_ms,
         most=max_count,
     )

@@ -115,7 +115,8 @@ class Scheduler:
         """Take an admitted session and reserve its worst-case KV (raises if it cannot)."""
         if seq.status is not SeqStatus.WAITING or seq.num_computed != 0:
             raise ValueError(f"{seq.session_id!r}: add() takes a fresh WAITING sequence")
-        if not seq.prompt_ids or seq.remaining_new_tokens < 1:
+        prefill_only = seq.max_new_tokens == 0 and not seq.output_ids  # its sample unused
+        if not seq.prompt_ids or (seq.remaining_new_tokens < 1 and not prefill_only):
             raise ValueError(
                 f"{seq.session_id!r}: needs a prompt and >= 1 token left to generate"
                 f" (prompt {len(seq.prompt_ids)}, {len(seq.output_ids)}/{seq.max_new_tokens} done)"

@@ -26,6 +26,7 @@ from tokenfleet.protocol import (
     FinishEvent,
     GenerationRequest,
     JobResult,
+    PromptEcho,
     Structured,
     Timings,
     TokenEvent,
@@ -60,9 +61,29 @@ class Outbox:
     events: Seq[TokenEvent]
     sent: int = 0  # token indices the job's replay stream holds, as the last publish said
     end: Finished | None = None
+    first: int = field(init=False)  # `sent` when the job came here: its first new token
+
+    def __post_init__(self) -> None:
+        self.first = self.sent
 
     def unsent(self) -> list[TokenEvent]:
         return list(self.events[self.sent :])
+
+    def due(self, interval: int) -> bool:
+        """Whether its events go out this tick when a job's tokens are sent every
+        `interval` ticks (--stream-interval): its outcome is decided, `interval` of them
+        wait, or the first token here does (time to first token is never held back)."""
+        waiting = len(self.events) - self.sent
+        if self.end is not None:
+            return True
+        return waiting > 0 and (waiting >= interval or self.sent <= self.first)
+
+    def in_tick(self, interval: int) -> bool:
+        """Whether the job is in this tick's fenced round trip: when it is `due`, or when
+        nothing of it is held back (then it is there for the owner and cancel checks
+        alone, as every job is at interval 1). A job holding back tokens skips the
+        round trip until they are due: its cancel is seen within `interval` ticks."""
+        return self.due(interval) or len(self.events) == self.sent
 
     def confirm(self, next_index: int) -> None:
         """Redis holds indices 0..next_index-1 now."""
@@ -88,13 +109,21 @@ def terminal(
     events: Seq[TokenEvent] = (),
     usage: Usage | None = None,
     timings: Timings | None = None,
+    prompt: PromptEcho | None = None,
 ) -> Finished:
     """The terminal event and stored result of a job; the result's text is always the
-    concatenation of its token events' texts."""
+    concatenation of its token events' texts. `prompt` (echo) goes into the result, and
+    into the finish event when no token event carried it."""
     usage = usage or Usage()
     timings = timings or Timings()
     event = FinishEvent(
-        job_id=job_id, reason=reason, usage=usage, timings=timings, error=error, worker=worker
+        job_id=job_id,
+        reason=reason,
+        usage=usage,
+        timings=timings,
+        error=error,
+        worker=worker,
+        prompt=None if events else prompt,
     )
     result = JobResult(
         job_id=job_id,
@@ -106,6 +135,7 @@ def terminal(
         error=error,
         worker=worker,
         logprobs=_all_logprobs(events),
+        prompt=prompt,
     )
     return Finished(event, result)
 
@@ -151,6 +181,11 @@ class Session:
     waiting_since: float = 0.0
     preemptions: int = 0
     protect_until: int | None = None
+    # echo (`sampling.prompt_logprobs`): the prompt's text and first token's, and the
+    # logprobs of prompt tokens 1, 2, ... as the prefill reported them (`record_prompt`)
+    prompt_text: str = ""
+    first_token_text: str = ""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     _stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +199,29 @@ class Session:
     @property
     def max_new_tokens(self) -> int:
         return self.request.max_new_tokens
+
+    @property
+    def echoes(self) -> bool:
+        """Whether the job asked for its prompt's logprobs."""
+        return self.request.sampling.prompt_logprobs is not None
+
+    def record_prompt(self, first: int, logprobs: Seq[TokenLogprob]) -> None:
+        """Prompt tokens first, first + 1, ...'s logprobs, from a prefill chunk; those
+        already known (a chunk computed again after a preemption) are kept as they are."""
+        for position, entry in enumerate(logprobs, start=first):
+            if position == len(self.prompt_logprobs) + 1:
+                self.prompt_logprobs.append(entry)
+
+    def echo(self) -> PromptEcho | None:
+        """The prompt's echo, once every prompt token's logprob is known (None before, and
+        for a job that asked none)."""
+        if not self.echoes or len(self.prompt_logprobs) < len(self.prompt_ids) - 1:
+            return None
+        return PromptEcho(
+            text=self.prompt_text,
+            first_token=self.first_token_text,
+            logprobs=self.prompt_logprobs,
+        )
 
     def accept(
         self, token_id: int, logprobs: TokenLogprob | None = None
@@ -195,7 +253,12 @@ class Session:
             reason = FinishReason.LENGTH
             text += self._trailing_text()  # the last event carries whatever was held back
         event = TokenEvent(
-            job_id=self.job_id, index=index, token_id=token_id, text=text, logprobs=logprobs
+            job_id=self.job_id,
+            index=index,
+            token_id=token_id,
+            text=text,
+            logprobs=logprobs,
+            prompt=self.echo() if index == 0 else None,
         )
         self.emitted.append(token_id)  # both or neither, should the text handling raise
         self.events.append(event)
@@ -244,4 +307,5 @@ class Session:
             events=self.events,
             usage=usage,
             timings=timings,
+            prompt=self.echo(),
         )

@@ -1,0 +1,154 @@
+"""Token coalescing (`--stream-interval N`): a worker sends a job's token events every N
+ticks as ONE replay entry and ONE message (their encodings back to back), its first token
+and its end at once. Clients still get every token once, in order, equal to the result;
+a kill -9 of a coalescing worker resumes token-exact; a cancel is seen within N ticks.
+Real worker processes, a real redis-server."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import redis
+
+from tests.helpers.support import KEYS, wait_for
+from tests.helpers.workers import Fleet, in_process
+from tokenfleet.errors import ProtocolError
+from tokenfleet.producer import JobHandle, Producer
+from tokenfleet.protocol import (
+    FinishEvent,
+    GenerationRequest,
+    TokenEvent,
+    decode_events,
+    encode,
+)
+from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.loop import WorkerOptions
+from tokenfleet.worker.session import Outbox
+
+
+def _events(n: int) -> list[TokenEvent]:
+    return [TokenEvent(job_id="j", index=i, token_id=i) for i in range(n)]
+
+
+def test_an_outbox_is_due_every_interval_with_the_first_token_and_the_end_at_once() -> None:
+    events: list[TokenEvent] = []
+    box = Outbox(events)
+    assert not box.due(4) and box.in_tick(4)  # nothing yet: in the tick for its checks
+    events += _events(1)
+    assert box.due(4)  # the first token goes at once
+    box.confirm(1)
+    events += [TokenEvent(job_id="j", index=i, token_id=i) for i in (1, 2, 3)]
+    assert not box.due(4) and not box.in_tick(4)  # three held back: skips the round trip
+    events.append(TokenEvent(job_id="j", index=4, token_id=4))
+    assert box.due(4)
+    box.confirm(5)
+    events.append(TokenEvent(job_id="j", index=5, token_id=5))
+    assert not box.due(4) and box.due(1)
+    box.rewind()  # after a reconnect everything goes again, at once
+    assert box.due(4)
+    resumed = Outbox(_events(7), sent=7)  # 7 tokens published by a worker that died
+    resumed.events.append(TokenEvent(job_id="j", index=7, token_id=7))  # type: ignore[attr-defined]
+    assert resumed.due(4)  # its first token here goes at once too
+    with pytest.raises(ValueError, match="stream_interval"):
+        WorkerOptions(stream_interval=0)
+
+
+def test_coalesced_payloads_decode_to_every_event_and_garbage_is_refused() -> None:
+    tokens = _events(3)
+    finish = FinishEvent(job_id="j", reason=FinishReason.LENGTH)
+    data = b"".join(encode(e) for e in [*tokens, finish])
+    assert decode_events(data) == [*tokens, finish]
+    assert decode_events(encode(tokens[0])) == [tokens[0]]  # one event: as before
+    for bad in (data[:-3], data + b"\x92", b"", data + msgpack.packb([1, 2])):
+        with pytest.raises(ProtocolError):
+            decode_events(bad)
+
+
+def _jobs(prefix: str, count: int, tokens: int) -> list[GenerationRequest]:
+    return [
+        GenerationRequest(
+            job_id=f"{prefix}-{i}",
+            prompt=f"coalesce {i} " * (1 + i % 3),
+            max_new_tokens=tokens,
+            ignore_eos=True,
+        )
+        for i in range(count)
+    ]
+
+
+def _collect(handle: JobHandle) -> list[TokenEvent]:
+    events = list(handle.stream(timeout=120))
+    assert [e.index for e in events] == list(range(len(events))), handle.id
+    return events
+
+
+def _entries(r: redis.Redis, job_id: str) -> list[list[TokenEvent | FinishEvent]]:
+    return [decode_events(f[b"m"]) for _id, f in r.xrange(KEYS.events(job_id))]
+
+
+def test_a_coalescing_worker_streams_every_token_once_in_fewer_entries(
+    fleet: Fleet, r: redis.Redis
+) -> None:
+    requests = _jobs("co", 6, 40)
+    producer = Producer(r)
+    handles = [producer.submit(req) for req in requests]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        streams = [pool.submit(_collect, h) for h in handles]
+        worker = fleet.start("co-w", "--stream-interval", "4")
+        yielded = [s.result() for s in streams]
+    assert worker.wait(120) == 0, worker.output()
+    expected = in_process(requests)
+    for handle, events in zip(handles, yielded, strict=True):
+        result = handle.result(timeout=10)
+        assert [e.token_id for e in events] == result.token_ids == expected[handle.id].token_ids
+        assert "".join(e.text for e in events) == result.text
+        entries = _entries(r, handle.id)
+        assert [e.index for e in entries[0]] == [0]  # the first token at once
+        assert isinstance(entries[-1][-1], FinishEvent)  # the end with the last tokens
+        flat = [e.index for entry in entries for e in entry if isinstance(e, TokenEvent)]
+        assert flat == list(range(40))
+        # 1 + 39 tokens in fours: ten entries at most (one more when a tick's end lands
+        # between two sends), not 41 as one event per entry would be
+        assert len(entries) <= 11, [len(e) for e in entries]
+
+
+def test_kill9_of_a_coalescing_worker_resumes_token_exact(fleet: Fleet, r: redis.Redis) -> None:
+    requests = _jobs("co-kill", 4, 300)
+    producer = Producer(r)
+    handles = [producer.submit(req) for req in requests]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        streams = [pool.submit(_collect, h) for h in handles]
+        first = fleet.start("co-a", "--stream-interval", "8", burst=False)
+
+        def mid_stream() -> bool:
+            emitted = [r.hget(KEYS.job(h.id), "emitted") for h in handles]
+            return all(e is not None and 16 <= int(e) <= 200 for e in emitted)
+
+        wait_for(mid_stream, 120, "every job mid-stream on the first worker")
+        first.kill()
+        second = fleet.start("co-b", "--stream-interval", "8")
+        yielded = [s.result() for s in streams]
+    assert second.wait(120) == 0, second.output()
+    expected = in_process(requests)
+    for handle, events in zip(handles, yielded, strict=True):
+        result = handle.result(timeout=10)
+        assert result.worker == "co-b"
+        assert [e.token_id for e in events] == result.token_ids == expected[handle.id].token_ids
+        indices = [
+            e.index for entry in _entries(r, handle.id) for e in entry if isinstance(e, TokenEvent)
+        ]
+        assert indices == list(range(300)), handle.id  # each index once, in order
+
+
+def test_a_cancel_is_seen_within_the_interval(fleet: Fleet, r: redis.Redis) -> None:
+    producer = Producer(r)
+    handle = producer.submit(prompt="cancel me", max_new_tokens=2000, ignore_eos=True)
+    worker = fleet.start("co-c", "--stream-interval", "16")
+    wait_for(lambda: int(r.hget(KEYS.job(handle.id), "emitted") or 0) >= 17, 60, "tokens out")
+    handle.cancel()
+    result = handle.result(timeout=60)
+    assert result.finish_reason == FinishReason.CANCELLED
+    assert len(result.token_ids) < 2000
+    assert worker.wait(60) == 0, worker.output()
