@@ -32,25 +32,28 @@ def _events(n: int) -> list[TokenEvent]:
     return [TokenEvent(job_id="j", index=i, token_id=i) for i in range(n)]
 
 
-def test_an_outbox_is_due_every_interval_with_the_first_token_and_the_end_at_once() -> None:
+def test_an_outbox_is_due_on_flush_ticks_with_the_first_token_and_the_end_at_once() -> None:
     events: list[TokenEvent] = []
     box = Outbox(events)
-    assert not box.due(4) and box.in_tick(4)  # nothing yet: in the tick for its checks
+    assert not box.due(False) and not box.in_tick(False)  # nothing yet: checked
+    assert box.in_tick(True)  # on flush ticks only (its owner and cancel checks)
     events += _events(1)
-    assert box.due(4)  # the first token goes at once
+    assert box.due(False)  # the first token goes at once, flush tick or not
     box.confirm(1)
     events += [TokenEvent(job_id="j", index=i, token_id=i) for i in (1, 2, 3)]
-    assert not box.due(4) and not box.in_tick(4)  # three held back: skips the round trip
-    events.append(TokenEvent(job_id="j", index=4, token_id=4))
-    assert box.due(4)
-    box.confirm(5)
-    events.append(TokenEvent(job_id="j", index=5, token_id=5))
-    assert not box.due(4) and box.due(1)
+    assert not box.due(False) and not box.in_tick(False)  # held: skips the round trip
+    assert box.due(True)  # the next flush takes them all
+    box.confirm(4)
     box.rewind()  # after a reconnect everything goes again, at once
-    assert box.due(4)
+    assert box.due(False)
     resumed = Outbox(_events(7), sent=7)  # 7 tokens published by a worker that died
     resumed.events.append(TokenEvent(job_id="j", index=7, token_id=7))  # type: ignore[attr-defined]
-    assert resumed.due(4)  # its first token here goes at once too
+    assert resumed.due(False)  # its first token here goes at once too
+    ended = Outbox(_events(2), sent=1)
+    ended.first = 0
+    assert not ended.due(False)
+    ended.end = object()  # type: ignore[assignment]
+    assert ended.due(False)  # an end is never held back
     with pytest.raises(ValueError, match="stream_interval"):
         WorkerOptions(stream_interval=0)
 
@@ -109,9 +112,10 @@ def test_a_coalescing_worker_streams_every_token_once_in_fewer_entries(
         assert isinstance(entries[-1][-1], FinishEvent)  # the end with the last tokens
         flat = [e.index for entry in entries for e in entry if isinstance(e, TokenEvent)]
         assert flat == list(range(40))
-        # 1 + 39 tokens in fours: ten entries at most (one more when a tick's end lands
-        # between two sends), not 41 as one event per entry would be
-        assert len(entries) <= 11, [len(e) for e in entries]
+        # the first token, then the rest on every fourth tick (the worker's flush ticks,
+        # one for all its jobs), the end at once: twelve entries at most, not 41 as one
+        # event per entry would be
+        assert len(entries) <= 12, [len(e) for e in entries]
 
 
 def test_kill9_of_a_coalescing_worker_resumes_token_exact(fleet: Fleet, r: redis.Redis) -> None:

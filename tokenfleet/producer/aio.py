@@ -13,7 +13,8 @@ from types import EllipsisType
 from typing import Any, TypeVar
 
 import redis.asyncio as aredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.exceptions import RedisError, ResponseError
 
 from tokenfleet.connect import connect_async, is_cluster_url
 from tokenfleet.fleet import read_workers_async
@@ -53,6 +54,20 @@ class _AsyncRun:
                 return await client.execute_command(*args)
             case ops.Submit(keys=keys, args=args):
                 return await self.producer._submit_script(keys=keys, args=args)
+            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if (
+                isinstance(client, AsyncRedisCluster)
+                and any(isinstance(item, ops.Submit) for item in commands)
+            ):
+                # a cluster pipeline refuses script calls (redis-py#2914): one call each
+                replies: list[Any] = []
+                for item in commands:
+                    try:
+                        replies.append(await self.do(item))
+                    except ResponseError as exc:
+                        if not errors_as_replies:
+                            raise
+                        replies.append(exc)
+                return replies
             case ops.Batch(commands=commands, errors_as_replies=errors_as_replies):
                 pipe = client.pipeline(transaction=False)
                 for item in commands:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis
+from redis.cluster import RedisCluster
 
 from tokenfleet.connect import connect, is_cluster_url
 from tokenfleet.fleet import read_workers
@@ -51,6 +52,20 @@ class _Run:
                 return client.execute_command(*args)
             case ops.Submit(keys=keys, args=args):
                 return self.producer._submit_script(keys=keys, args=args)
+            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if (
+                isinstance(client, RedisCluster)
+                and any(isinstance(item, ops.Submit) for item in commands)
+            ):
+                # a cluster pipeline refuses script calls (redis-py#2914): one call each
+                replies: list[Any] = []
+                for item in commands:
+                    try:
+                        replies.append(self.do(item))
+                    except redis.ResponseError as exc:
+                        if not errors_as_replies:
+                            raise
+                        replies.append(exc)
+                return replies
             case ops.Batch(commands=commands, errors_as_replies=errors_as_replies):
                 pipe = client.pipeline(transaction=False)
                 for item in commands:

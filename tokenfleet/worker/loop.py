@@ -144,6 +144,7 @@ class Worker:
         self._last_heartbeat = 0.0
         self._last_claim = 0.0
         self._last_floor = 0.0
+        self._ticks = 0  # engine ticks run (flush ticks: every stream_interval'th)
         self._resync = False  # after a reconnect: re-read own pending list, resend events
         self._all_deferred = False  # the last admit put back every entry it read
         self.started_at = time.time()
@@ -271,8 +272,8 @@ class Worker:
         lost or cancelled is dropped one tick later than it could be, never written."""
         if self._resync:
             self._resync_after_reconnect()
-        interval = self._interval
-        if self.in_flight is None and any(h.outbox.due(interval) for h in self.held.values()):
+        flush = self._flush
+        if self.in_flight is None and any(h.outbox.due(flush) for h in self.held.values()):
             self.publish()  # catch up (after a failure) before computing anything new
             return
         self.tick()
@@ -301,6 +302,7 @@ class Worker:
     def tick(self) -> None:
         if not self.engine.has_work:
             return
+        self._ticks += 1
         out = self.engine.step()  # outcomes land in the held jobs' outboxes
         if self.metrics is not None:
             self.metrics.observe_tick(self.engine, out)
@@ -358,17 +360,19 @@ class Worker:
         """Send, without waiting: every held job's fenced writes, the heartbeat when due,
         and a read of the entries the engine has room for next (WorkerQueue.send)."""
         assert self.in_flight is None, "a round trip is already in flight"
-        interval = self._interval
-        held = [h for h in self.held.values() if h.outbox.in_tick(interval)]
+        flush = self._flush
+        held = [h for h in self.held.values() if h.outbox.in_tick(flush)]
         writes = [h.write() for h in held]
         pull = None
         if not self.draining and (self.engine.has_work or held):
-            # plus interactive jobs that would preempt lower bands running here
+            # plus interactive jobs that would preempt lower bands running here (looked
+            # for on flush ticks: a full worker's every-tick look was most of a coalescing
+            # fleet's Redis work per tick)
             top = sum(1 for d in self.prefetched if d.band.rank == 0)
             pull = PullAsk(
                 count=max(0, self.engine.room() - len(self.prefetched)),
-                extra=max(0, self.engine.interactive_room() - top),
-                floor=self._floor_bands(),
+                extra=max(0, self.engine.interactive_room() - top) if flush else 0,
+                floor=self._floor_bands() if flush else (),
             )
         beat = self._heartbeat_fields() if self._heartbeat_due() else None
         trip = self.queue.send(writes, pull, beat)
@@ -381,9 +385,13 @@ class Worker:
             self.in_flight = _Sent(trip, held, errors)
 
     @property
-    def _interval(self) -> int:
-        """Ticks a job's tokens are coalesced over; 1 while draining (nothing held back)."""
-        return 1 if self.draining else self.options.stream_interval
+    def _flush(self) -> bool:
+        """Whether this tick sends every job's held tokens: every tick at interval 1 and
+        while draining (nothing held back), else every `stream_interval`'th tick, the
+        same one for all jobs, so the ticks between send no write but first tokens and
+        ends (and no pull when the worker is full)."""
+        interval = 1 if self.draining else self.options.stream_interval
+        return self._ticks % interval == 0
 
     def _floor_bands(self) -> tuple[str, ...]:
         """The lower bands this worker holds no job of, about once a second (pull.lua

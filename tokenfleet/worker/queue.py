@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 from redis.retry import Retry
 
@@ -365,20 +366,24 @@ class WorkerQueue:
         reads = pull is not None and pull.reads
         if not writes and not reads and heartbeat is None:
             return None
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = _stack(self.redis)
         order = self.tick(writes, pipe) if writes else []
         part = None
         if pull is not None and reads:
             part = self.pull(pull.count, pipe, pull.extra, pull.floor)
         if heartbeat is not None:
             self.heartbeat(heartbeat, pipe=pipe)
-        return RoundTrip(self, InFlight(self.redis, pipe), order, part)
+        return RoundTrip(self, in_flight(self.redis, pipe), order, part)
 
     def recovered(self, exc: Exception) -> bool:
         """Whether `exc` from a round trip was a Redis that lost its scripts or its
         group (restarted empty), now put right here; the caller retries next time."""
         if isinstance(exc, NoScriptError):
             self.load_scripts()
+            return True
+        if isinstance(exc, ResponseError) and str(exc).startswith(_CLUSTER_MOVES):
+            # a cluster moved a slot (resharding, failover): learn the new map, resend
+            self.redis.nodes_manager.initialize()
             return True
         if isinstance(exc, ResponseError) and is_missing_group(exc):
             self.ensure_group()
@@ -597,7 +602,11 @@ class RoundTrip:
     its pull read (None: no pull)."""
 
     def __init__(
-        self, queue: WorkerQueue, call: InFlight, order: list[list[int]], part: int | None
+        self,
+        queue: WorkerQueue,
+        call: InFlight | NodesInFlight,
+        order: list[list[int]],
+        part: int | None,
     ) -> None:
         self._queue = queue
         self._call = call
@@ -675,6 +684,90 @@ class InFlight:
     def abandon(self) -> None:
         self.conn.disconnect()
         self.client.connection_pool.release(self.conn)
+
+
+_CLUSTER_MOVES = ("MOVED", "ASK", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def _stack(client: Any) -> Any:
+    """A pipeline to queue a round trip's commands on (never executed itself: `in_flight`
+    sends them). On a cluster, a plain one of a node's client: redis-py's cluster
+    pipeline refuses EVALSHA (redis-py#2914), and the commands are split per node anyway."""
+    if isinstance(client, RedisCluster):
+        return client.get_default_node().redis_connection.pipeline(transaction=False)
+    return client.pipeline(transaction=False)
+
+
+def in_flight(client: Any, pipe: Any) -> InFlight | NodesInFlight:
+    """Send `pipe`'s commands now, to read their replies later: on one connection, or on
+    a cluster one per node serving them."""
+    if isinstance(client, RedisCluster):
+        return NodesInFlight(client, pipe)
+    return InFlight(client, pipe)
+
+
+@dataclass(frozen=True)
+class _Commands:
+    """A pipeline's part, as InFlight reads one."""
+
+    command_stack: list[tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+class NodesInFlight:
+    """A round trip on a Redis Cluster: the pipeline's commands split by the primary
+    serving each one's slot (every script call's keys are in one slot: keys.py), sent to
+    every node at once, one connection each; the replies come back in the pipeline's
+    order. A reply of a slot that moved is a MOVED error (`WorkerQueue.recovered`)."""
+
+    def __init__(self, client: RedisCluster, pipe: Any) -> None:
+        commands = list(pipe.command_stack)
+        by_node: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        for i, (args, _) in enumerate(commands):
+            node = _node_of(client, args)
+            by_node.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
+        self.size = len(commands)
+        self.parts: list[tuple[list[int], InFlight]] = []
+        try:
+            for name, indices in by_node.items():
+                part = _Commands([commands[i] for i in indices])
+                self.parts.append((indices, InFlight(nodes[name].redis_connection, part)))
+        except BaseException:
+            self.abandon()
+            raise
+
+    def replies(self) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        for n, (indices, part) in enumerate(self.parts):
+            try:
+                got = part.replies()
+            except BaseException:
+                for _, rest in self.parts[n + 1 :]:  # their connections go back too
+                    rest.abandon()
+                raise
+            for i, reply in zip(indices, got, strict=True):
+                out[i] = reply
+        return out
+
+    def abandon(self) -> None:
+        for _, part in self.parts:
+            part.abandon()
+
+
+def _node_of(client: RedisCluster, args: tuple[Any, ...]) -> Any:
+    """The primary a command goes to: its keys' slot's (a script call's first key), any
+    for a command without keys (PUBLISH reaches every node of a cluster)."""
+    name = str(args[0]).upper()
+    if name in ("EVALSHA", "EVAL"):
+        if int(args[2]) == 0:
+            return client.get_default_node()
+        slot = client.keyslot(args[3])
+    elif name == "PUBLISH":
+        return client.get_default_node()
+    else:
+        slot = client.determine_slot(*args)
+    return client.nodes_manager.get_node_from_slot(slot)
 
 
 def _by_partition(deliveries: Sequence[Delivery]) -> dict[int, list[tuple[int, Delivery]]]:

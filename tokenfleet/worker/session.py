@@ -69,21 +69,22 @@ class Outbox:
     def unsent(self) -> list[TokenEvent]:
         return list(self.events[self.sent :])
 
-    def due(self, interval: int) -> bool:
-        """Whether its events go out this tick when a job's tokens are sent every
-        `interval` ticks (--stream-interval): its outcome is decided, `interval` of them
-        wait, or the first token here does (time to first token is never held back)."""
+    def due(self, flush: bool) -> bool:
+        """Whether its events go out this tick: on a flush tick (every tick, or every
+        --stream-interval'th: the worker's, one for all its jobs), when its outcome is
+        decided, or when its first token here waits (time to first token is never held
+        back)."""
         waiting = len(self.events) - self.sent
         if self.end is not None:
             return True
-        return waiting > 0 and (waiting >= interval or self.sent <= self.first)
+        return waiting > 0 and (flush or self.sent <= self.first)
 
-    def in_tick(self, interval: int) -> bool:
-        """Whether the job is in this tick's fenced round trip: when it is `due`, or when
-        nothing of it is held back (then it is there for the owner and cancel checks
-        alone, as every job is at interval 1). A job holding back tokens skips the
-        round trip until they are due: its cancel is seen within `interval` ticks."""
-        return self.due(interval) or len(self.events) == self.sent
+    def in_tick(self, flush: bool) -> bool:
+        """Whether the job is in this tick's fenced round trip: when it is `due`, or, on a
+        flush tick, for the owner and cancel checks alone (every job, every tick, at
+        interval 1). Between flushes a job is checked only when it sends: its cancel is
+        seen within the interval."""
+        return self.due(flush) or flush
 
     def confirm(self, next_index: int) -> None:
         """Redis holds indices 0..next_index-1 now."""
