@@ -546,7 +546,7 @@ class WorkerQueue:
         key = self.keys.worker(self.worker)
         # Not a transaction: when Redis is out of memory the HSET is refused, but the
         # EXPIRE still keeps the hash (and so this worker's jobs) alive.
-        target = pipe if pipe is not None else self.redis.pipeline(transaction=False)
+        target = pipe if pipe is not None else _stack(self.redis)
         target.hset(key, mapping={name: json.dumps(value) for name, value in fields.items()})
         target.expire(key, WORKER_TTL_S)
         if self.keys.is_tagged:  # the flags claim_orphans.lua reads, one per partition
@@ -554,8 +554,8 @@ class WorkerQueue:
                 target.set(self.keys.alive(self.worker, p), 1, ex=WORKER_TTL_S)
         target.zadd(self.keys.workers(), {self.worker: time.time()})
         target.publish(self.keys.telemetry_channel(), json.dumps(fields))
-        if pipe is None:
-            target.execute(raise_on_error=False)
+        if pipe is None:  # sent as a round trip is (a cluster pipeline refuses PUBLISH)
+            in_flight(self.redis, target).replies()
 
     def leave(self) -> None:
         """Clean exit: drop the heartbeat now, so entries left pending are claimable at once."""
