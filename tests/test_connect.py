@@ -259,8 +259,9 @@ def test_the_pooled_async_cluster_client_and_its_pubsub_pool(
 
 
 def test_producers_build_on_a_cluster_url(redis_cluster: RedisCluster) -> None:
-    # submit needs the cluster key layout (one slot per script call): not yet
+    # (submitting on a cluster: tests/test_cluster_fleet.py)
     producer = Producer.from_url(redis_cluster.url, prefix="tfc")
+    assert producer.keys == Keys("tfc", tagged=True)  # a cluster URL hash-tags the keys
     try:
         assert isinstance(producer.redis, ClusterClient)
         producer.set_queue_cap(9)
@@ -271,7 +272,8 @@ def test_producers_build_on_a_cluster_url(redis_cluster: RedisCluster) -> None:
     async def main() -> None:
         aproducer = AsyncProducer.from_url(redis_cluster.url, prefix="tfc")
         assert isinstance(aproducer.redis, AsyncClusterClient)
-        assert int(await aproducer.redis.get(Keys("tfc").queue_cap(None))) == 9
+        assert aproducer.keys == Keys("tfc", tagged=True)
+        assert int(await aproducer.redis.get(aproducer.keys.queue_cap(None))) == 9
         await aproducer.redis.aclose()
 
     asyncio.run(main())
@@ -282,7 +284,7 @@ def test_the_cli_takes_a_cluster_url(redis_cluster: RedisCluster) -> None:
     assert done.returncode == 0, done.stderr
     assert "cap 7, depth 0" in done.stdout
     client = connect(redis_cluster.url)
-    assert client.get(Keys("tfc").queue_cap(None)) == b"7"
+    assert client.get(Keys("tfc", tagged=True).queue_cap(None)) == b"7"  # {p0}: tagged
     client.close()
     bad = run_cli("queue-cap", "--redis-url", "redis+cluster://u:secret@h:99999")
     assert bad.returncode == 2
