@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.models import make_hf_llama, save_hf_llama
+from tests.helpers.models import REFERENCE_CONFIGS, make_hf_llama, save_hf_llama
 from tests.test_engine import jobs, run_jobs
 from tokenfleet.model import LoadedModel, SeqInput, load_model
 from tokenfleet.model.compiled import compile_model, uncompile_model
@@ -86,3 +86,19 @@ def _logits(loaded: LoadedModel, prompt: list[int]) -> list[torch.Tensor]:
         seq = SeqInput([0, 1, 2, 3], len(prompt) + i, 1)
         out.append(loaded.model.forward([token], [seq], pool)[0])
     return out
+
+
+def test_compiled_gemma3_equals_eager(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Gemma 3 compiled: its extra norms, GeGLU and the rope base that changes from layer
+    to layer (sliding vs global), past its window of 8, match the eager forward."""
+    hf = make_hf_llama(seed=4, **REFERENCE_CONFIGS["gemma3-window"])
+    loaded = load_model(str(save_hf_llama(hf, tmp_path_factory.mktemp("gemma3"))), device="cpu")
+    prompt = [(7 * k) % 500 + 3 for k in range(20)]
+    eager = _logits(loaded, prompt)
+    compile_model(loaded.model)
+    try:
+        compiled = _logits(loaded, prompt)
+    finally:
+        uncompile_model(loaded.model)
+    for e, c in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(c, e, atol=1e-4 * max(float(e.abs().max()), 1.0), rtol=0)

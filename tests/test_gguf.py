@@ -124,7 +124,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = write_llama_gguf(make_hf_llama(seed=1), tmp_path / "m.gguf", F32, arch="mamba")
     with pytest.raises(
         ModelLoadError,
-        match=r"architecture 'mamba'.*supported: \['llama', 'qwen2', 'qwen3', 'phi3'\]",
+        match=r"architecture 'mamba'.*supported: \['llama', 'qwen2', 'qwen3', 'phi3', 'gemma3'\]",
     ):
         load_model(str(path), device="cpu")
 

@@ -32,7 +32,7 @@ from tokenfleet.model import (
     load_model,
 )
 
-FAMILY_OF = {f: f for f in GGUF_ARCH}
+FAMILY_OF = {f: f for f in GGUF_ARCH} | {"gemma3_text": "gemma3"}
 BLOCK = 8  # small blocks so every sequence spans several, non-adjacent ones
 NUM_BLOCKS = 64
 
@@ -46,7 +46,7 @@ def _close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
 # transformers on the quantized-and-back weights): two shapes per GGUF architecture.
 GGUF_SHAPES = (
     *("gqa-hd32", "mha-hd64-tied", "qwen2-gqa", "qwen2-tied-mha"),
-    *("qwen3-gqa", "qwen3-tied-hd64", "phi3-gqa", "mistral-gqa"),
+    *("qwen3-gqa", "qwen3-tied-hd64", "phi3-gqa", "mistral-gqa", "gemma3-mqa"),
 )
 GGUF_CASES = [f"{name}-gguf-{quant}" for name in GGUF_SHAPES for quant in ("f32", "q8_0")]
 
@@ -350,3 +350,42 @@ def test_family_flags_and_sliding_window_cap() -> None:
     assert qwen2.max_position_embeddings == 4096  # the window is off
     qwen3 = ModelConfig.from_hf_dict({**base, "model_type": "qwen3", "head_dim": 16})
     assert qwen3.qk_norm and not qwen3.has_qkv_bias
+
+
+def test_gemma3_config_fields() -> None:
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=7,
+        num_attention_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
+    # transformers 4.x keys: rope_theta / rope_local_base_freq, a sliding_window_pattern
+    old = ModelConfig.from_hf_dict(
+        {
+            **base,
+            "model_type": "gemma3_text",
+            "sliding_window": 512,
+            "rope_theta": 1e6,
+            "rope_local_base_freq": 1e4,
+            "query_pre_attn_scalar": 64,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    )
+    assert old.family == "gemma3" and old.qk_norm and old.hidden_act == "gelu_pytorch_tanh"
+    assert [old.window_of(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert (old.rope_theta, old.rope_local_theta) == (1e6, 1e4)
+    assert old.max_position_embeddings == 4096  # windows run as windows: no cap
+    assert old.query_scale == pytest.approx(0.5) and old.embed_scale == pytest.approx(32**0.5)
+    with pytest.raises(ModelConfigError, match="final_logit_softcapping"):
+        ModelConfig.from_hf_dict(
+            {**base, "model_type": "gemma3_text", "final_logit_softcapping": 30.0}
+        )
+    with pytest.raises(ModelConfigError, match="layer_types"):
+        ModelConfig.from_hf_dict(
+            {**base, "model_type": "gemma3_text", "layer_types": ["full_attention"]}
+        )
+    with pytest.raises(ModelConfigError, match="hidden_act"):
+        ModelConfig(**{**old.__dict__, "hidden_act": "relu"})

@@ -22,6 +22,7 @@ GGUF_ARCH = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "phi3": "phi3",
+    "gemma3_text": "gemma3",
 }
 
 # Hugging Face module -> GGUF tensor (the inverse of tokenfleet.model.gguf's mapping).
@@ -40,13 +41,20 @@ _HF_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
+# Gemma's four layer norms (its post_attention_layernorm normalises the attention output)
+_GEMMA3_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name.startswith("model.layers."):
         _, _, layer, rest = hf_name.split(".", 3)
         module, kind = rest.rsplit(".", 1)
-        return f"blk.{layer}.{_HF_TO_GGUF[module]}.{kind}"
+        names = {**_HF_TO_GGUF, **_GEMMA3_NORMS} if arch == "gemma3" else _HF_TO_GGUF
+        return f"blk.{layer}.{names[module]}.{kind}"
     top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
     module, kind = hf_name.rsplit(".", 1)
     return f"{top[module]}.{kind}"
@@ -76,7 +84,8 @@ def write_gguf(
     tokenizer_model: str | None = None,
 ) -> Path:
     """Write `hf` as llama.cpp's convert_hf_to_gguf.py would: Q/K rows permuted for
-    Llama, matrices in `quant` (norms and biases stay F32)."""
+    Llama, Gemma's norm weights stored as 1 + weight, matrices in `quant` (norms and
+    biases stay F32)."""
     c = hf.config
     arch = arch or GGUF_ARCH[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
@@ -84,6 +93,9 @@ def write_gguf(
     window = getattr(c, "sliding_window", None)
     if c.model_type == "phi3" and window:
         w.add_sliding_window(window)
+    if arch == "gemma3":
+        w.add_sliding_window(window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
     if tokenizer_model is not None:
         w.add_tokenizer_model(tokenizer_model)
         w.add_token_list([f"t{i}" for i in range(c.vocab_size)])
@@ -97,10 +109,12 @@ def write_gguf(
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
             # transformers sets num_key_value_heads (None in a config = num_attention_heads)
             arr = permute_rows(arr, c.num_key_value_heads or c.num_attention_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr + 1
         if quant != F32 and arr.ndim >= 2:
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, quant), raw_dtype=quant)
+            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(arr, quant), raw_dtype=quant)
         else:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(arr))
+            w.add_tensor(gguf_name(name, arch), np.ascontiguousarray(arr))
     return finish_gguf(w, path)
 
 
@@ -117,7 +131,8 @@ def add_model_metadata(w: gguf.GGUFWriter, c: Any) -> None:
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters
+    w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     w.add_vocab_size(c.vocab_size)
 
 

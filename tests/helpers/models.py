@@ -106,6 +106,34 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         pad_token_id=0,
         sliding_window=200,
     ),
+    # Windows of 8 so the prompts (up to 60 tokens) run far past them; a global layer
+    # between sliding ones, each kind with its rope base; query_pre_attn_scalar apart
+    # from head_dim in one shape (the GGUF one keeps llama.cpp's head_dim and 10k base).
+    "gemma3-window": dict(
+        family="gemma3",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),
+    "gemma3-mqa": dict(
+        family="gemma3",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=48,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=48,
+    ),
 }
 
 FAMILY_CLASSES = {
@@ -114,6 +142,7 @@ FAMILY_CLASSES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 
@@ -149,6 +178,11 @@ def make_hf_llama(seed: int = 0, **overrides: Any) -> LlamaForCausalLM:
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.1)
+    if family == "gemma3":  # its norms scale by (1 + weight) and start at zeros
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0.0, 0.1)
     return model  # type: ignore[no-any-return]
 
 

@@ -118,9 +118,9 @@ def _last(x: Tensor, attn: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> 
     return attn_out_mlp(x, attn, MlpWeights(*_unflatten(spec, w)), shape)
 
 
-def _head(x: Tensor, norm: Tensor, spec: Any, eps: float, *w: Tensor) -> Any:
+def _head(x: Tensor, norm: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
     (lm_head,) = _unflatten(spec, w)
-    return head(x, norm, lm_head, eps)
+    return head(x, norm, lm_head, shape)
 
 
 class CompiledSteps:
@@ -150,22 +150,24 @@ class CompiledSteps:
     def layers(self, model: LlamaModel, x: Tensor, ctx: ForwardContext) -> Tensor:
         """All decoder layers over the residual stream x [T, hidden]."""
         first, between_, last_, _ = self._pieces
-        cos, sin, shape = ctx.cos, ctx.sin, self._shape
-        q, k, v = first(x, cos, sin, self._attn_spec, shape, *self._attn[0])
+        shape = self._shape
         blocks = model.blocks
+        # each layer's rotary tables: sliding-window layers may have a base of their own
+        ropes = [ctx.rope(b.self_attn.window is not None) for b in blocks]
+        q, k, v = first(x, *ropes[0], self._attn_spec, shape, *self._attn[0])
         last = len(blocks) - 1
         for i, layer in enumerate(blocks):
             attn = layer.self_attn.attend(q, k, v, ctx)
             if i < last:
                 w = (*self._mlp[i], *self._attn[i + 1])
-                x, q, k, v = between_(x, attn, cos, sin, self._between_spec, shape, *w)
+                x, q, k, v = between_(x, attn, *ropes[i + 1], self._between_spec, shape, *w)
             else:
                 x = last_(x, attn, self._mlp_spec, shape, *self._mlp[i])
         return x
 
     def head(self, rows: Tensor, norm: Tensor) -> Tensor:
         head_ = self._pieces[3]
-        out: Tensor = head_(rows, norm, self._head_spec, self._shape.eps, *self._lm_head)
+        out: Tensor = head_(rows, norm, self._head_spec, self._shape, *self._lm_head)
         return out
 
 

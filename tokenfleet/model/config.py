@@ -8,6 +8,10 @@ One decoder serves several open families; each is a variation the config names:
     qwen3    per-head RMSNorm of q and k before the rotary embedding, no bias
     phi3     Llama's math; the checkpoint stores q/k/v and gate/up already fused
              (a sliding window caps the context, as for mistral)
+    gemma3   (the text model) norms that scale by (1 + weight) in fp32, four per layer
+             (around attention and around the MLP), q/k norms, embeddings scaled by
+             sqrt(hidden), GeGLU, queries scaled by query_pre_attn_scalar ** -0.5, and
+             sliding-window layers (their own rope base) between global ones
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+# model_type names that load as a family of another name
+MODEL_TYPE_ALIASES = {"gemma3_text": "gemma3"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SwiGLU, GeGLU (tanh approximation)
+SLIDING, FULL = "sliding_attention", "full_attention"
 SUPPORTED_ARCHITECTURES = frozenset(FAMILIES.values())
-SUPPORTED_MODEL_TYPES = frozenset(FAMILIES)
+SUPPORTED_MODEL_TYPES = frozenset(FAMILIES) | frozenset(MODEL_TYPE_ALIASES)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,13 @@ class ModelConfig:
     qkv_bias: bool = False  # bias on q, k and v only (qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (qwen3)
     family: str = "llama"
+    hidden_act: str = "silu"  # the MLP's gate activation, one of ACTIVATIONS
+    # Per layer SLIDING or FULL (empty: every layer FULL). A sliding layer attends to the
+    # last `sliding_window` positions (its own included) with rope base `rope_local_theta`.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # scores scale by its ** -0.5 (gemma3)
 
     def __post_init__(self) -> None:
         for name in (
@@ -104,6 +120,25 @@ class ModelConfig:
             raise ModelConfigError(f"unknown family {self.family!r}; supported: {sorted(FAMILIES)}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelConfigError("rms_norm_eps and rope_theta must be > 0")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {ACTIVATIONS}"
+            )
+        if self.layer_types:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelConfigError(
+                    f"{len(self.layer_types)} layer_types for {self.num_layers} layers"
+                )
+            if set(self.layer_types) - {SLIDING, FULL}:
+                raise ModelConfigError(f"layer_types must be {SLIDING!r} or {FULL!r}")
+            if SLIDING in self.layer_types and not (
+                self.sliding_window and self.sliding_window > 0 and self.rope_local_theta
+            ):
+                raise ModelConfigError(
+                    "sliding layers need sliding_window > 0 and rope_local_theta"
+                )
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ModelConfigError("query_pre_attn_scalar must be > 0")
         bos = () if self.bos_token_id is None else (self.bos_token_id,)
         for tid in (*self.eos_token_ids, *bos):
             if not 0 <= tid < self.vocab_size:
@@ -114,6 +149,31 @@ class ModelConfig:
     @property
     def has_qkv_bias(self) -> bool:
         return self.attention_bias or self.qkv_bias
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Gemma's norms: (1 + weight) scaling in fp32 (the model keeps 1 + weight, as
+        llama.cpp stores it), a norm after attention and after the MLP too."""
+        return self.family == "gemma3"
+
+    @property
+    def embed_scale(self) -> float | None:
+        """What the token embeddings are multiplied by (gemma3: sqrt(hidden))."""
+        return self.hidden_size**0.5 if self.family == "gemma3" else None
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for a layer that sees the whole context."""
+        if self.layer_types and self.layer_types[layer] == SLIDING:
+            return self.sliding_window
+        return None
+
+    @property
+    def query_scale(self) -> float:
+        """The factor on q that turns attention's head_dim ** -0.5 into
+        query_pre_attn_scalar ** -0.5 (1.0 when they agree)."""
+        if self.query_pre_attn_scalar is None:
+            return 1.0
+        return float((self.head_dim / self.query_pre_attn_scalar) ** 0.5)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token."""
@@ -133,7 +193,7 @@ class ModelConfig:
         mlp = 3 * h * self.intermediate_size
         if self.mlp_bias:
             mlp += 2 * self.intermediate_size + h
-        per_layer = attn + mlp + 2 * h  # + two RMSNorm weights
+        per_layer = attn + mlp + (4 if self.gemma_norms else 2) * h  # + the RMSNorm weights
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embed + self.num_layers * per_layer + h + head
@@ -189,10 +249,11 @@ class ModelConfig:
         if model_type is None and archs:
             by_arch = {arch: fam for fam, arch in FAMILIES.items()}
             model_type = next(by_arch[a] for a in archs if a in by_arch)
-        family = model_type or "llama"
+        family = MODEL_TYPE_ALIASES.get(model_type or "llama", model_type or "llama")
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if family != "gemma3" and act != "silu":
             raise ModelConfigError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU)")
+        gemma = _read_gemma3(d) if family == "gemma3" else {}
         rotary = (d.get("rope_parameters") or {}).get(
             "partial_rotary_factor", d.get("partial_rotary_factor", 1.0)
         )
@@ -204,7 +265,7 @@ class ModelConfig:
             hidden = int(d["hidden_size"])
             heads = int(d["num_attention_heads"])
             head_dim = d.get("head_dim") or hidden // heads
-            theta, scaling = _read_rope(d)
+            theta, scaling = (gemma.pop("rope_theta"), None) if gemma else _read_rope(d)
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -223,8 +284,9 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", False)),
                 mlp_bias=bool(d.get("mlp_bias", False)),
                 qkv_bias=family == "qwen2",
-                qk_norm=family == "qwen3",
+                qk_norm=family in ("qwen3", "gemma3"),
                 family=family,
+                **gemma,
             )
         except KeyError as e:
             raise ModelConfigError(f"config is missing required key {e.args[0]!r}") from e
@@ -252,6 +314,8 @@ def _context_length(d: dict[str, Any], family: str) -> int:
     switched on) caps it, because this model attends over the whole context and the
     two agree only while the context fits in the window."""
     limit = int(d.get("max_position_embeddings", 2048))
+    if family == "gemma3":  # its windows are run as windows: no cap
+        return limit
     window = d.get("sliding_window")
     uses_window = d.get("use_sliding_window", family in ("mistral", "phi3"))
     if uses_window and isinstance(window, int) and 0 < window < limit:
@@ -287,3 +351,36 @@ def _read_rope(d: dict[str, Any]) -> tuple[float, Llama3RopeScaling | None]:
         )
     except KeyError as e:
         raise ModelConfigError(f"llama3 rope scaling is missing {e.args[0]!r}") from e
+
+
+def _read_gemma3(d: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's extra fields (`ModelConfig` keywords, plus "rope_theta") from a
+    `Gemma3TextConfig` dict: transformers 5's per-layer-type `rope_parameters` or 4.x's
+    `rope_theta` + `rope_local_base_freq`."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ModelConfigError(f"gemma3 {key} is not supported")
+    if d.get("use_bidirectional_attention"):
+        raise ModelConfigError("gemma3 with bidirectional attention is not supported")
+    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if not types:
+        pattern = int(d.get("sliding_window_pattern", 6))
+        types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+    params: dict[str, Any] = dict(d.get("rope_parameters") or {})
+    full = dict(params.get(FULL) or {})
+    local = dict(params.get(SLIDING) or {})
+    rope_scaling = d.get("rope_scaling") or {}
+    for kind in (full.get("rope_type"), local.get("rope_type"), rope_scaling.get("rope_type")):
+        if kind not in (None, "default"):
+            raise ModelConfigError(f"gemma3 rope scaling {kind!r} is not supported")
+    window = d.get("sliding_window")
+    return {
+        "hidden_act": act,
+        "layer_types": tuple(types),
+        "sliding_window": None if window is None else int(window),
+        "rope_theta": float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+        "rope_local_theta": float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+        "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+    }

@@ -1,4 +1,4 @@
-"""Load a llama.cpp GGUF checkpoint (Llama, Qwen2, Qwen3 or Phi-3) onto a device.
+"""Load a llama.cpp GGUF checkpoint (Llama, Qwen2, Qwen3, Phi-3 or Gemma 3) onto a device.
 
 A GGUF file holds the config and the tokenizer as metadata and every tensor in
 one of ggml's formats (F32, F16, BF16, Q8_0, Q4_K, ...). Loading reads the
@@ -37,7 +37,13 @@ from tokenfleet.model.weights import check_hf_names, hf_weight_shapes, to_model_
 
 # `general.architecture` -> the family it loads as. llama.cpp names Mistral 7B-style
 # checkpoints "llama" too (its converter writes them as Llama).
-ARCHITECTURE_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURE_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
 # Only the Llama converter permutes q/k rows (to GPT-J-style rotary pairs); Qwen and
 # Phi-3 are converted as they are, because llama.cpp runs them with NeoX rope.
@@ -65,7 +71,21 @@ _BLOCK_NAMES = {
 }
 # Phi-3's `ffn_up` holds gate and up fused, rows [gate | up] (llama.cpp splits it
 # in half at run time, gate first), exactly like Hugging Face's gate_up_proj.
-_FAMILY_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# Gemma 3 has four layer norms; its `ffn_norm` is the MLP's input norm, as for Llama,
+# but Hugging Face names that one `pre_feedforward_layernorm`.
+_FAMILY_BLOCK_NAMES = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+# llama.cpp's Gemma 3 settings that its files do not carry (llama-model.cpp): the
+# sliding layers' rope base, every 6th layer global unless the file says otherwise.
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
+_GEMMA3_SLIDING_PATTERN = 6
+_GEMMA3_27B_LAYERS = 62  # the one size whose queries scale by (hidden / heads) ** -0.5
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
@@ -103,7 +123,10 @@ def load_gguf(
     q4: dict[str, Q4Fields] = {}
     for raw in iter_raw_tensors(reader, config):
         if raw.hf_name in wanted:
-            hf[raw.hf_name] = _place(dequantize_raw(raw), dtype, device)
+            values = dequantize_raw(raw)
+            if config.gemma_norms and raw.hf_name.endswith("norm.weight"):
+                values = values - 1  # llama.cpp stores Gemma's 1 + weight; HF the weight
+            hf[raw.hf_name] = _place(values, dtype, device)
             if keep_q4 and raw.quant in _Q4_BLOCK_BYTES:
                 q4[raw.hf_name] = q4_fields(raw)
     tokenizer = tokenizer_from_gguf(reader, file)
@@ -219,6 +242,7 @@ def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
     window = field_value(reader, f"{arch}.attention.sliding_window")
     if family == "phi3" and isinstance(window, int) and 0 < window < context:
         context = window  # as for the folder: exact only while the context fits the window
+    gemma = _gemma3_fields(reader, arch, hidden, heads, head_dim) if family == "gemma3" else {}
     biased_o = "blk.0.attn_output.bias" in names
     biased_q = "blk.0.attn_q.bias" in names or "blk.0.attn_qkv.bias" in names
     try:
@@ -241,11 +265,34 @@ def gguf_config(reader: GGUFReader, file: Path) -> ModelConfig:
             qkv_bias=biased_q and not biased_o,
             qk_norm="blk.0.attn_q_norm.weight" in names,
             family=family,
+            **gemma,
         )
     except (TypeError, ValueError) as e:
         if isinstance(e, ModelConfigError):
             raise
         raise ModelLoadError(f"{file.name}: malformed metadata: {e}") from e
+
+
+def _gemma3_fields(
+    reader: GGUFReader, arch: str, hidden: int, heads: int, head_dim: int
+) -> dict[str, Any]:
+    """Gemma 3's extra `ModelConfig` fields, as llama.cpp reads them from its files."""
+    layers = int(field_value(reader, f"{arch}.block_count"))
+    pattern = field_value(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True where it slides
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = int(pattern or _GEMMA3_SLIDING_PATTERN)
+        sliding = [(i + 1) % every != 0 for i in range(layers)]
+    window = field_value(reader, f"{arch}.attention.sliding_window")
+    scalar = hidden // heads if layers == _GEMMA3_27B_LAYERS else head_dim
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "layer_types": tuple("sliding_attention" if s else "full_attention" for s in sliding),
+        "sliding_window": None if window is None else int(window),
+        "rope_local_theta": _GEMMA3_LOCAL_ROPE_THETA,
+        "query_pre_attn_scalar": float(scalar),
+    }
 
 
 def iter_raw_tensors(reader: GGUFReader, config: ModelConfig) -> Iterator[RawTensor]:

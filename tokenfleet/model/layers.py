@@ -38,13 +38,19 @@ class LayerShape:
     head_dim: int
     intermediate_size: int
     eps: float
+    gelu: bool = False  # GeGLU (tanh approximation) instead of SwiGLU
+    scale_fp32: bool = False  # gemma: norms scale in fp32 too (`rms_norm`)
+    query_scale: float = 1.0  # on q after rope (`ModelConfig.query_scale`)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, scale_fp32: bool = False) -> Tensor:
     """Normalise in fp32 whatever the model dtype (bf16 variance is too coarse), then
-    scale in the model dtype, as the reference does."""
+    scale in the model dtype, as the reference does (Llama), or still in fp32 and cast
+    after (`scale_fp32`, Gemma; its weight here is already 1 + the checkpoint's)."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if scale_fp32:
+        return (x32 * weight.float()).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
@@ -68,7 +74,8 @@ class AttnWeights:
 
 @dataclass(frozen=True)
 class MlpWeights:
-    """One layer's weights after attention: output projection, post norm, SwiGLU."""
+    """One layer's weights after attention: output projection, the MLP's input norm,
+    SwiGLU / GeGLU, and (gemma3) the norms of the attention's and the MLP's outputs."""
 
     o: Weight
     o_bias: Tensor | None
@@ -77,6 +84,8 @@ class MlpWeights:
     gate_up_bias: Tensor | None
     down: Weight
     down_bias: Tensor | None
+    attn_out_norm: Tensor | None = None
+    mlp_out_norm: Tensor | None = None
 
 
 def attn_in(
@@ -84,22 +93,32 @@ def attn_in(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Residual stream x [T, hidden] -> rotated q [T, H, hd], k and v [T, KVH, hd]."""
     t = x.shape[0]
-    h = rms_norm(x, w.norm, s.eps)
+    h = rms_norm(x, w.norm, s.eps, s.scale_fp32)
     q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     q, k, v = torch.split(linear(h, w.qkv, w.qkv_bias), [q_out, kv_out, kv_out], dim=-1)
     q = q.view(t, s.num_heads, s.head_dim)
     k = k.view(t, s.num_kv_heads, s.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
-        q, k = rms_norm(q, w.q_norm, s.eps), rms_norm(k, w.k_norm, s.eps)
-    return rotate(q, cos, sin), rotate(k, cos, sin), v.view(t, s.num_kv_heads, s.head_dim)
+        q = rms_norm(q, w.q_norm, s.eps, s.scale_fp32)
+        k = rms_norm(k, w.k_norm, s.eps, s.scale_fp32)
+    q = rotate(q, cos, sin)
+    if s.query_scale != 1.0:
+        q = q * s.query_scale
+    return q, rotate(k, cos, sin), v.view(t, s.num_kv_heads, s.head_dim)
 
 
 def attn_out_mlp(x: Tensor, attn: Tensor, w: MlpWeights, s: LayerShape) -> Tensor:
     """x [T, hidden] and the attention output [T, H, hd] -> the layer's output x."""
-    x = x + linear(attn.reshape(x.shape[0], -1), w.o, w.o_bias)
-    h = rms_norm(x, w.norm, s.eps)
+    out = linear(attn.reshape(x.shape[0], -1), w.o, w.o_bias)
+    if w.attn_out_norm is not None:
+        out = rms_norm(out, w.attn_out_norm, s.eps, s.scale_fp32)
+    x = x + out
+    h = rms_norm(x, w.norm, s.eps, s.scale_fp32)
     gate, up = torch.split(linear(h, w.gate_up, w.gate_up_bias), s.intermediate_size, dim=-1)
-    down = linear(F.silu(gate) * up, w.down, w.down_bias)
+    act = F.gelu(gate, approximate="tanh") if s.gelu else F.silu(gate)
+    down = linear(act * up, w.down, w.down_bias)
+    if w.mlp_out_norm is not None:
+        down = rms_norm(down, w.mlp_out_norm, s.eps, s.scale_fp32)
     return x + down
 
 
@@ -120,7 +139,7 @@ def between(
     return x, q, k, v
 
 
-def head(x: Tensor, norm: Tensor, lm_head: Weight, eps: float) -> Tensor:
+def head(x: Tensor, norm: Tensor, lm_head: Weight, s: LayerShape) -> Tensor:
     """The final norm and the LM head over the rows that sample -> float32 logits."""
-    logits = linear(rms_norm(x, norm, eps), lm_head, None)
+    logits = linear(rms_norm(x, norm, s.eps, s.scale_fp32), lm_head, None)
     return logits.float()

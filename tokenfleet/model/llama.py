@@ -8,6 +8,7 @@ model's attention backend.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+        # gemma3: norms of the attention's output and of the MLP's, before each residual
+        # add (its checkpoints' post_attention_layernorm / post_feedforward_layernorm;
+        # `post_attention_layernorm` here is the MLP's input norm in every family).
+        sandwich = config.gemma_norms
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.mlp_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def attn_weights(self) -> AttnWeights:
         return self.self_attn.weights(self.input_layernorm.weight)
@@ -69,15 +76,25 @@ class DecoderLayer(nn.Module):
     def mlp_weights(self) -> MlpWeights:
         o, gu, down = self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
         norm = self.post_attention_layernorm.weight
+        attn_out = None if self.attn_out_norm is None else self.attn_out_norm.weight
+        mlp_out = None if self.mlp_out_norm is None else self.mlp_out_norm.weight
         return MlpWeights(
-            weight_of(o), o.bias, norm, weight_of(gu), gu.bias, weight_of(down), down.bias
+            weight_of(o),
+            o.bias,
+            norm,
+            weight_of(gu),
+            gu.bias,
+            weight_of(down),
+            down.bias,
+            attn_out,
+            mlp_out,
         )
 
     def forward(
         self, x: Tensor, ctx: ForwardContext, shape: LayerShape, attn: AttnWeights, mlp: MlpWeights
     ) -> Tensor:
         """`attn` / `mlp`: this layer's weights (`LlamaModel.layer_weights`)."""
-        q, k, v = attn_in(x, attn, ctx.cos, ctx.sin, shape)
+        q, k, v = attn_in(x, attn, *ctx.rope(self.self_attn.window is not None), shape)
         return attn_out_mlp(x, self.self_attn.attend(q, k, v, ctx), mlp, shape)
 
 
@@ -102,6 +119,14 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
         self._inv_freq = inverse_frequencies(config, torch.device("cpu"))
+        windows = {config.window_of(i) for i in range(config.num_layers)} - {None}
+        assert len(windows) <= 1, "one sliding window size per model"
+        self._window = next(iter(windows), None)  # of the sliding layers, if any
+        self._inv_freq_local = (
+            None
+            if self._window is None
+            else inverse_frequencies(config, torch.device("cpu"), config.rope_local_theta)
+        )
         self.attention: AttentionBackend = SdpaBackend()
         self._tick_buffers: TickBuffers | None = None  # the tick's index tensors, reused
         self.shape = LayerShape(
@@ -110,6 +135,9 @@ class LlamaModel(nn.Module):
             config.head_dim,
             config.intermediate_size,
             config.rms_norm_eps,
+            gelu=config.hidden_act == "gelu_pytorch_tanh",
+            scale_fp32=config.gemma_norms,
+            query_scale=config.query_scale,
         )
         # Set by `compiled.compile_model`: runs the row-wise parts compiled.
         self.compiled: CompiledSteps | None = None
@@ -158,8 +186,16 @@ class LlamaModel(nn.Module):
             self._inv_freq = self._inv_freq.to(device)
         cos, sin = rope_cos_sin(self._inv_freq, plan.positions, self.dtype)  # [T, hd] each
         ctx = ForwardContext(cos, sin, plan, kv, self.attention, self.attention.prepare(plan))
+        if self._inv_freq_local is not None:  # sliding-window layers: their rope and masks
+            if self._inv_freq_local.device != device:
+                self._inv_freq_local = self._inv_freq_local.to(device)
+            wcos, wsin = rope_cos_sin(self._inv_freq_local, plan.positions, self.dtype)
+            wmeta = self.attention.prepare(plan, window=self._window)
+            ctx = dataclasses.replace(ctx, window_cos=wcos, window_sin=wsin, window_meta=wmeta)
 
         x = self.embed_tokens(plan.input_ids)  # [T, hidden]
+        if self.config.embed_scale is not None:  # rounded to the model dtype, as reference
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=device)
         if self.compiled is not None:
             x = self.compiled.layers(self, x, ctx)
         else:
@@ -169,7 +205,7 @@ class LlamaModel(nn.Module):
         out = x[picked]  # [S, hidden]; the norm is per row
         if self.compiled is not None:
             return self.compiled.head(out, self.norm.weight)
-        return head(out, self.norm.weight, weight_of(self.lm_head), self.shape.eps)  # [S, vocab]
+        return head(out, self.norm.weight, weight_of(self.lm_head), self.shape)  # [S, vocab]
 
     def quantize(
         self, kind: QuantKind, prepacked: Mapping[str, PackedWeight] | None = None

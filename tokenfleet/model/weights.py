@@ -47,6 +47,9 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 shapes[f"{p}mlp.{name}.bias"] = shape[:1]
         shapes[f"{p}input_layernorm.weight"] = (h,)
         shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+        if config.gemma_norms:
+            shapes[f"{p}pre_feedforward_layernorm.weight"] = (h,)
+            shapes[f"{p}post_feedforward_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
@@ -89,13 +92,33 @@ def to_model_state(config: ModelConfig, hf: Mapping[str, Tensor]) -> dict[str, T
         for kind in mlp_kinds:
             state[f"{dst}mlp.gate_up_proj.{kind}"] = _fused(hf, f"{src}mlp.", "gate_up", kind)
             state[f"{dst}mlp.down_proj.{kind}"] = hf[f"{src}mlp.down_proj.{kind}"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[f"{dst}{norm}.weight"] = hf[f"{src}{norm}.weight"]
+        for ours, theirs in _layer_norms(config):
+            state[f"{dst}{ours}.weight"] = hf[f"{src}{theirs}.weight"]
     state["norm.weight"] = hf["model.norm.weight"]
+    if config.gemma_norms:  # Gemma's norms scale by (1 + weight): keep the sum
+        for name in [n for n in state if n.endswith("norm.weight")]:
+            state[name] = state[name] + 1
     state["lm_head.weight"] = (
         state["embed_tokens.weight"] if config.tie_word_embeddings else hf["lm_head.weight"]
     )
     return state
+
+
+def _layer_norms(config: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """(model name, checkpoint name) of each layer norm. `post_attention_layernorm` is
+    the MLP's input norm in the model; Gemma's checkpoints call that one
+    `pre_feedforward_layernorm`, and theirs normalises the attention's output."""
+    if not config.gemma_norms:
+        return (
+            ("input_layernorm", "input_layernorm"),
+            ("post_attention_layernorm", "post_attention_layernorm"),
+        )
+    return (
+        ("input_layernorm", "input_layernorm"),
+        ("post_attention_layernorm", "pre_feedforward_layernorm"),
+        ("attn_out_norm", "post_attention_layernorm"),
+        ("mlp_out_norm", "post_feedforward_layernorm"),
+    )
 
 
 def _fused(hf: Mapping[str, Tensor], prefix: str, group: str, kind: str) -> Tensor:

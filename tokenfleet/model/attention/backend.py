@@ -15,8 +15,10 @@ class AttentionBackend(Protocol):
 
     name: str
 
-    def prepare(self, plan: BatchPlan) -> object:
-        """Per-forward metadata for `attend` (index tensors, masks), built once per tick."""
+    def prepare(self, plan: BatchPlan, window: int | None = None) -> object:
+        """Per-forward metadata for `attend` (index tensors, masks), built once per tick.
+        With `window`, for sliding-window layers: a query at position p sees the keys at
+        positions p - window + 1 .. p only."""
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: object

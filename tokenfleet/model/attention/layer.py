@@ -20,7 +20,8 @@ from tokenfleet.model.tick_inputs import BatchPlan
 @dataclass(frozen=True)
 class ForwardContext:
     """What every layer of one forward shares: the rotary tables, the tick's batch plan,
-    the KV pool, and the attention backend with its per-forward metadata."""
+    the KV pool, and the attention backend with its per-forward metadata; and for a
+    model with sliding-window layers, their rotary tables and metadata."""
 
     cos: Tensor  # [T, hd]
     sin: Tensor
@@ -28,12 +29,22 @@ class ForwardContext:
     kv: KVPool
     backend: AttentionBackend
     meta: object
+    window_cos: Tensor | None = None  # [T, hd], the sliding layers' rope base
+    window_sin: Tensor | None = None
+    window_meta: object = None
+
+    def rope(self, windowed: bool) -> tuple[Tensor, Tensor]:
+        """(cos, sin) for a sliding-window layer (`windowed`) or a global one."""
+        if windowed and self.window_cos is not None and self.window_sin is not None:
+            return self.window_cos, self.window_sin
+        return self.cos, self.sin
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.window = config.window_of(layer_idx)  # None: attends to the whole context
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -47,7 +58,7 @@ class Attention(nn.Module):
         self.o_proj: nn.Linear | QuantLinear = nn.Linear(
             q_out, config.hidden_size, bias=config.attention_bias
         )
-        # qwen3: each head of q and k is RMS-normalised before the rotary embedding
+        # qwen3, gemma3: each head of q and k is RMS-normalised before the rotary embedding
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -63,4 +74,5 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv.layer_slots(self.layer_idx)  # [slots, KVH, hd] views of the pool
         k_cache.index_copy_(0, ctx.plan.write_slots, k)
         v_cache.index_copy_(0, ctx.plan.write_slots, v)
-        return ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.meta)
+        meta = ctx.meta if self.window is None else ctx.window_meta
+        return ctx.backend.attend(q, k, v, k_cache, v_cache, meta)

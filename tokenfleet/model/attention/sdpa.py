@@ -10,6 +10,10 @@ prefix cache) read those blocks once: the shared keys are gathered once for all 
 each row's own keys after them separately, and one softmax runs over both score sets
 (exact: the same scores, concatenated). Without this, 64 rows sharing a 512-token
 prompt gathered that prompt 64 times per layer per tick.
+
+Sliding-window layers (gemma3) get metadata of their own (`prepare(plan, window)`):
+the same gathers, with keys older than the window masked out (and no shared prefix,
+which would mostly lie outside the window).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ class _Decode:
 @dataclass(frozen=True)
 class _Prefill:
     rows: slice
-    # Context slots [ctx] and the causal mask [num_new, ctx] shifted by start_pos. Both
-    # None for a chunk starting at position 0: it attends to its fresh K/V alone.
+    # Context slots [ctx] (None for a chunk starting at position 0: it attends to its
+    # fresh K/V alone) and the causal mask [num_new, ctx] shifted by start_pos (None
+    # for such a chunk when no window cuts into it: plain causal attention).
     slots: Tensor | None
     mask: Tensor | None
 
@@ -65,39 +70,47 @@ def _shared_blocks(tables: Tensor, lens: Tensor, block_size: int) -> int:
     return n if n >= MIN_SHARED_BLOCKS else 0
 
 
-def _prepare_decode(group: DecodeGroup, block_size: int) -> _Decode:
+def _prepare_decode(group: DecodeGroup, block_size: int, window: int | None = None) -> _Decode:
     device = group.block_tables.device
     tables = group.block_tables.long()
     lens = group.context_lens.long()[:, None]  # [B, 1]
-    start = _shared_blocks(tables, lens, block_size) * block_size
+    start = 0 if window else _shared_blocks(tables, lens, block_size) * block_size
     shared = None
     if start:
         shared = _slots(tables[0], torch.arange(start, device=device), block_size)
     keys = torch.arange(start, group.max_context, device=device)[None, :]  # [1, L]
     pos = torch.minimum(keys, lens - 1)  # [B, L]; padding repeats the last real slot
     slots = tables.gather(1, pos // block_size) * block_size + pos % block_size
-    mask = (keys < lens)[:, None, None, :]
+    mask = keys < lens
+    if window:
+        mask = mask & (keys >= lens - window)
+    mask = mask[:, None, None, :]
     return _Decode(group.rows, slots.flatten(), mask, group.is_all_rows, shared)
 
 
-def _prepare_prefill(span: PrefillSpan, block_size: int) -> _Prefill:
+def _prepare_prefill(span: PrefillSpan, block_size: int, window: int | None = None) -> _Prefill:
     rows = slice(span.row_start, span.row_start + span.num_new)
-    if span.start_pos == 0:
+    fresh = span.start_pos == 0
+    if fresh and (window is None or span.num_new <= window):
         return _Prefill(rows, None, None)
     device = span.block_table.device
     ctx = torch.arange(span.context_len, device=device)
     pos = torch.arange(span.start_pos, span.context_len, device=device)
     # query i sits at position start_pos + i and sees keys 0..start_pos + i
     mask = ctx[None, :] <= pos[:, None]  # [num_new, ctx]
-    return _Prefill(rows, _slots(span.block_table, ctx, block_size), mask)
+    if window:  # ... and of those the last `window` only
+        mask = mask & (ctx[None, :] > pos[:, None] - window)
+    slots = None if fresh else _slots(span.block_table, ctx, block_size)
+    return _Prefill(rows, slots, mask)
 
 
 class SdpaBackend:
     name = "sdpa"
 
-    def prepare(self, plan: BatchPlan) -> SdpaMeta:
-        decode = None if plan.decode is None else _prepare_decode(plan.decode, plan.block_size)
-        return SdpaMeta(decode, tuple(_prepare_prefill(p, plan.block_size) for p in plan.prefills))
+    def prepare(self, plan: BatchPlan, window: int | None = None) -> SdpaMeta:
+        bs = plan.block_size
+        decode = None if plan.decode is None else _prepare_decode(plan.decode, bs, window)
+        return SdpaMeta(decode, tuple(_prepare_prefill(p, bs, window) for p in plan.prefills))
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, meta: object
