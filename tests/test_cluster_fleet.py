@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.support import wait_for
-from tests.helpers.workers import Fleet, WorkerProcess, in_process
+from tests.helpers.workers import Fleet, WorkerProcess, collect, in_process
 from tokenfleet.connect import connect
 from tokenfleet.errors import QueueFull
 from tokenfleet.keys import Keys
 from tokenfleet.local import RedisCluster
-from tokenfleet.producer import JobHandle, Producer
-from tokenfleet.protocol import GenerationRequest, TokenEvent
+from tokenfleet.producer import Producer
+from tokenfleet.protocol import GenerationRequest
 from tokenfleet.reasons import FinishReason
 
 pytestmark = pytest.mark.cluster
@@ -47,12 +47,6 @@ def _jobs(prefix: str, count: int, tokens: int) -> list[GenerationRequest]:
     ]
 
 
-def _collect(handle: JobHandle) -> list[TokenEvent]:
-    events = list(handle.stream(timeout=120))
-    assert [e.index for e in events] == list(range(len(events))), handle.id
-    return events
-
-
 @pytest.fixture
 def cluster_fleet(redis_cluster: RedisCluster, tmp_path: Path) -> Fleet:
     fleet = Fleet(redis_cluster.url, tmp_path)
@@ -71,7 +65,7 @@ def test_jobs_spread_over_every_master_and_stream_equal_their_results(
     masters = Counter(redis_cluster.master_for(keys.job(h.id)) for h in handles)
     assert len(masters) == 3, masters  # the partitions' slots are on every master
     with ThreadPoolExecutor(max_workers=6) as pool:
-        streams = [pool.submit(_collect, h) for h in handles]
+        streams = [pool.submit(collect, h, 120) for h in handles]
         worker = _start(cluster_fleet, "cl-w")
         yielded = [s.result() for s in streams]
     assert worker.wait(120) == 0, worker.output()
@@ -112,7 +106,7 @@ def test_kill9_mid_stream_on_a_cluster_resumes_token_exact(
     requests = _jobs("cl-kill", 6, 240)
     handles = [producer.submit(req) for req in requests]
     with ThreadPoolExecutor(max_workers=6) as pool:
-        streams = [pool.submit(_collect, h) for h in handles]
+        streams = [pool.submit(collect, h, 120) for h in handles]
         first = _start(cluster_fleet, "cl-a", burst=False)
 
         def mid_stream() -> bool:

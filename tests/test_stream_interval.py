@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from tests.helpers.support import KEYS, wait_for
-from tests.helpers.workers import Fleet, in_process
+from tests.helpers.workers import Fleet, collect, in_process
 from tokenfleet.errors import ProtocolError
-from tokenfleet.producer import JobHandle, Producer
+from tokenfleet.producer import Producer
 from tokenfleet.protocol import (
     FinishEvent,
     GenerationRequest,
@@ -81,12 +81,6 @@ def _jobs(prefix: str, count: int, tokens: int) -> list[GenerationRequest]:
     ]
 
 
-def _collect(handle: JobHandle) -> list[TokenEvent]:
-    events = list(handle.stream(timeout=120))
-    assert [e.index for e in events] == list(range(len(events))), handle.id
-    return events
-
-
 def _entries(r: redis.Redis, job_id: str) -> list[list[TokenEvent | FinishEvent]]:
     return [decode_events(f[b"m"]) for _id, f in r.xrange(KEYS.events(job_id))]
 
@@ -98,7 +92,7 @@ def test_a_coalescing_worker_streams_every_token_once_in_fewer_entries(
     producer = Producer(r)
     handles = [producer.submit(req) for req in requests]
     with ThreadPoolExecutor(max_workers=6) as pool:
-        streams = [pool.submit(_collect, h) for h in handles]
+        streams = [pool.submit(collect, h, 120) for h in handles]
         worker = fleet.start("co-w", "--stream-interval", "4")
         yielded = [s.result() for s in streams]
     assert worker.wait(120) == 0, worker.output()
@@ -123,7 +117,7 @@ def test_kill9_of_a_coalescing_worker_resumes_token_exact(fleet: Fleet, r: redis
     producer = Producer(r)
     handles = [producer.submit(req) for req in requests]
     with ThreadPoolExecutor(max_workers=4) as pool:
-        streams = [pool.submit(_collect, h) for h in handles]
+        streams = [pool.submit(collect, h, 120) for h in handles]
         first = fleet.start("co-a", "--stream-interval", "8", burst=False)
 
         def mid_stream() -> bool:

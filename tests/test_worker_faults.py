@@ -22,7 +22,7 @@ import redis
 
 from tests.helpers.proxies import LostReplyProxy
 from tests.helpers.support import KEYS, wait_for
-from tests.helpers.workers import Fleet, WorkerProcess, in_process
+from tests.helpers.workers import Fleet, WorkerProcess, collect, in_process
 from tokenfleet.errors import JobFailed, JobNotFound
 from tokenfleet.keys import GROUP
 from tokenfleet.local import RedisServer
@@ -93,13 +93,6 @@ def check_replay(r: redis.Redis, job_id: str, *, exactly_once: bool = True) -> F
             assert by_index.setdefault(e.index, e.token_id) == e.token_id, (job_id, e.index)
         assert sorted(by_index) == list(range(n)), job_id
     return finishes[0]
-
-
-def collect(handle: JobHandle, timeout: float = 90) -> list[TokenEvent]:
-    """What the client handle yields; its indices must be 0..n-1, each once."""
-    events = list(handle.stream(timeout=timeout))
-    assert [e.index for e in events] == list(range(len(events))), handle.id
-    return events
 
 
 def queue_empty(r: redis.Redis) -> bool:

@@ -15,7 +15,8 @@ from tokenfleet.local import LocalWorkers
 if TYPE_CHECKING:
     import subprocess
 
-    from tokenfleet.protocol import GenerationRequest, JobResult
+    from tokenfleet.producer import JobHandle
+    from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent
 
 TEST_WORKER_ARGS = ("--model", "tiny-random", "--device", "cpu", "--threads", "1", "--verbose")
 
@@ -110,3 +111,10 @@ def in_process(requests: Sequence[GenerationRequest]) -> dict[str, JobResult]:
         for done in engine.step().finished:
             results[done.job_id] = done.result
     return results
+
+
+def collect(handle: JobHandle, timeout: float = 90) -> list[TokenEvent]:
+    """What the client handle yields; its indices must be 0..n-1, each once."""
+    events = list(handle.stream(timeout=timeout))
+    assert [e.index for e in events] == list(range(len(events))), handle.id
+    return events

@@ -93,7 +93,8 @@ __all__ = [
 @dataclass(frozen=True)
 class TickWrite:
     """One held job's part of a tick: its new token events and, when it ended, the
-    terminal pair. Every held job is in every tick (its ownership is checked)."""
+    terminal pair. Every held job is in every flush tick (its ownership is checked
+    there; `Outbox.in_tick`), and between flushes when it sends."""
 
     delivery: Delivery
     job_id: str
