@@ -205,7 +205,9 @@ def test_the_gateway_exports_vllm_names_for_its_requests_and_the_fleet(
 
             def hung_up() -> bool:
                 now = gateway_page(http)
-                return one(now, cancelled, **default) == 1 and all(
+                # the counter's sample exists only once the cancel was counted
+                seen = now.get((cancelled, frozenset(default.items())), 0)
+                return seen == 1 and all(
                     one(now, f"tokenfleet_gateway_{n}", **default) == 0
                     for n in ("num_requests_waiting", "num_requests_running")
                 )
