@@ -129,6 +129,8 @@ class CompiledSteps:
 
     def __init__(self, model: LlamaModel, mode: str) -> None:
         shape = model.shape
+        if shape.row_tile:  # a Python loop over a dynamic row count: eager only
+            raise ValueError("deterministic row tiles run eagerly, not compiled")
         attn = [_flatten(a) for a, _ in model.layer_weights()]
         mlp = [_flatten(m) for _, m in model.layer_weights()]
         # every layer is laid out alike: one spec serves all of them
@@ -203,6 +205,10 @@ def compile_model(model: LlamaModel, mode: str | None = None) -> CompileReport:
     for n in _WARMUP_TOKENS:
         model.forward([1] * n, [SeqInput([0], 0, n)], pool)  # a prefill chunk of n tokens
         model.forward([1] * n, [SeqInput([0], i, 1) for i in range(n)], pool)  # n decodes
+    if model.deterministic is not None:  # the compiled pieces keep its promise too
+        from tokenfleet.model.deterministic import check_forward
+
+        check_forward(model)
     return CompileReport(mode, time.perf_counter() - started, graphs=4)
 
 

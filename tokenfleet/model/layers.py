@@ -22,11 +22,24 @@ from tokenfleet.model.quant import PackedWeight
 Weight = Tensor | PackedWeight
 
 
-def linear(x: Tensor, w: Weight, bias: Tensor | None) -> Tensor:
+def linear(x: Tensor, w: Weight, bias: Tensor | None, s: LayerShape) -> Tensor:
+    """x [T, in] -> [T, out]. `s.row_tile` / `s.one_kernel`: the deterministic mode's
+    batch invariance (`tokenfleet.model.deterministic`); both off by default."""
     if isinstance(w, Tensor):
+        if s.row_tile and x.shape[0] != s.row_tile:
+            return _tiled(x, w, bias, s.row_tile)
         return F.linear(x, w, bias)
-    y = w.matmul(x)
+    y = w.matmul(x, one_kernel=s.one_kernel)
     return y if bias is None else y + bias
+
+
+def _tiled(x: Tensor, w: Tensor, bias: Tensor | None, tile: int) -> Tensor:
+    """F.linear in calls of exactly `tile` rows (the last one padded with zeros), for a
+    kernel whose result for a row depends on how many rows the call has."""
+    t = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -t % tile))
+    parts = [F.linear(padded[i : i + tile], w, bias) for i in range(0, t, tile)]
+    return torch.cat(parts)[:t]
 
 
 @dataclass(frozen=True)
@@ -41,6 +54,11 @@ class LayerShape:
     gelu: bool = False  # GeGLU (tanh approximation) instead of SwiGLU
     scale_fp32: bool = False  # gemma: norms scale in fp32 too (`rms_norm`)
     query_scale: float = 1.0  # on q after rope (`ModelConfig.query_scale`)
+    # Deterministic mode (`tokenfleet.model.deterministic`): dense matmuls in calls of
+    # exactly this many rows (0: as they come, the kernel is row-invariant already), and
+    # quantized ones through their packed kernel at any row count.
+    row_tile: int = 0
+    one_kernel: bool = False
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, scale_fp32: bool = False) -> Tensor:
@@ -95,7 +113,7 @@ def attn_in(
     t = x.shape[0]
     h = rms_norm(x, w.norm, s.eps, s.scale_fp32)
     q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    q, k, v = torch.split(linear(h, w.qkv, w.qkv_bias), [q_out, kv_out, kv_out], dim=-1)
+    q, k, v = torch.split(linear(h, w.qkv, w.qkv_bias, s), [q_out, kv_out, kv_out], dim=-1)
     q = q.view(t, s.num_heads, s.head_dim)
     k = k.view(t, s.num_kv_heads, s.head_dim)
     if w.q_norm is not None and w.k_norm is not None:
@@ -109,14 +127,14 @@ def attn_in(
 
 def attn_out_mlp(x: Tensor, attn: Tensor, w: MlpWeights, s: LayerShape) -> Tensor:
     """x [T, hidden] and the attention output [T, H, hd] -> the layer's output x."""
-    out = linear(attn.reshape(x.shape[0], -1), w.o, w.o_bias)
+    out = linear(attn.reshape(x.shape[0], -1), w.o, w.o_bias, s)
     if w.attn_out_norm is not None:
         out = rms_norm(out, w.attn_out_norm, s.eps, s.scale_fp32)
     x = x + out
     h = rms_norm(x, w.norm, s.eps, s.scale_fp32)
-    gate, up = torch.split(linear(h, w.gate_up, w.gate_up_bias), s.intermediate_size, dim=-1)
+    gate, up = torch.split(linear(h, w.gate_up, w.gate_up_bias, s), s.intermediate_size, dim=-1)
     act = F.gelu(gate, approximate="tanh") if s.gelu else F.silu(gate)
-    down = linear(act * up, w.down, w.down_bias)
+    down = linear(act * up, w.down, w.down_bias, s)
     if w.mlp_out_norm is not None:
         down = rms_norm(down, w.mlp_out_norm, s.eps, s.scale_fp32)
     return x + down
@@ -141,5 +159,5 @@ def between(
 
 def head(x: Tensor, norm: Tensor, lm_head: Weight, s: LayerShape) -> Tensor:
     """The final norm and the LM head over the rows that sample -> float32 logits."""
-    logits = linear(rms_norm(x, norm, s.eps, s.scale_fp32), lm_head, None)
+    logits = linear(rms_norm(x, norm, s.eps, s.scale_fp32), lm_head, None, s)
     return logits.float()

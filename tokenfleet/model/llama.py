@@ -41,6 +41,7 @@ from tokenfleet.model.tick_inputs import SeqInput, TickBuffers
 
 if TYPE_CHECKING:
     from tokenfleet.model.compiled import CompiledSteps
+    from tokenfleet.model.deterministic import DeterminismReport
 
 
 class SwiGLU(nn.Module):
@@ -141,6 +142,8 @@ class LlamaModel(nn.Module):
         )
         # Set by `compiled.compile_model`: runs the row-wise parts compiled.
         self.compiled: CompiledSteps | None = None
+        # Set by `deterministic.make_deterministic`: batch-invariant numerics, and how.
+        self.deterministic: DeterminismReport | None = None
 
     def layer_weights(self) -> list[tuple[AttnWeights, MlpWeights]]:
         if self._layer_weights is None:

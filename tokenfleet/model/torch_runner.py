@@ -245,6 +245,8 @@ def _identity(loaded: LoadedModel) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(loaded.config).encode())
     h.update(f"{loaded.dtype}|{loaded.quant}|{loaded.weight_bytes}".encode())
+    if loaded.model.deterministic is not None:  # other numerics: other KV bits
+        h.update(b"|deterministic")
     for _, tensor in itertools.islice(loaded.model.state_dict().items(), 4):
         flat = tensor.detach().reshape(-1)[:256]
         h.update(flat.to("cpu", torch.float32).numpy().tobytes())
