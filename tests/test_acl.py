@@ -897,3 +897,27 @@ def test_a_worker_with_a_wrong_password_exits_saying_so(acl: AclServer, tmp_path
         assert REFUSED.search(output), output
     finally:
         fleet.stop_all()
+
+
+def test_a_partitioned_fleet_serves_jobs_under_the_roles(acl: AclServer, tmp_path: Path) -> None:
+    """With the queue in partitions every key a script touches carries a hash tag
+    (`<prefix>{pN}:...`, as on a Redis Cluster): the roles' scoped patterns match those
+    too, so a producer and a worker serve jobs of every partition without a refusal."""
+    fleet = Fleet(acl.url("worker"), tmp_path)
+    producer = Producer.from_url(acl.url("producer"), partitions=2)
+    try:
+        handles = [
+            producer.submit(job_id=f"acl-part-{i}", prompt="hi", max_new_tokens=6, ignore_eos=True)
+            for i in range(6)
+        ]
+        assert {producer.keys.partition_of(h.id) for h in handles} == {0, 1}
+        fleet.local.start_one("acl-part", ["--burst"], env={"TOKENFLEET_PARTITIONS": "2"})
+        worker = WorkerProcess("acl-part", fleet.local)
+        fleet.workers.append(worker)
+        for handle in handles:
+            assert handle.result(timeout=120).usage.completion_tokens == 6
+        assert worker.wait(120) == 0, worker.output()
+        acl.assert_no_denials()
+    finally:
+        producer.redis.close()
+        fleet.stop_all()

@@ -64,11 +64,28 @@ def test_jobs_spread_over_every_master_and_stream_equal_their_results(
     handles = [producer.submit(req) for req in requests]
     masters = Counter(redis_cluster.master_for(keys.job(h.id)) for h in handles)
     assert len(masters) == 3, masters  # the partitions' slots are on every master
+    # a plain subscriber of every job channel on every master: it hears nothing, as job
+    # channels are shard channels (SPUBLISH reaches only its slot's node's subscribers)
+    plain = [redis_cluster.node_client(port).pubsub() for port in redis_cluster.master_ports()]
+    for sub in plain:
+        sub.psubscribe("*:live")
     with ThreadPoolExecutor(max_workers=6) as pool:
         streams = [pool.submit(collect, h, 120) for h in handles]
         worker = _start(cluster_fleet, "cl-w")
         yielded = [s.result() for s in streams]
     assert worker.wait(120) == 0, worker.output()
+    heard = [m for sub in plain for m in iter(lambda s=sub: s.get_message(timeout=0.05), None)]
+    assert [m for m in heard if m["type"] == "pmessage"] == []
+    spublished = sum(
+        int(
+            redis_cluster.node_client(port)
+            .info("commandstats")
+            .get("cmdstat_spublish", {})
+            .get("calls", 0)
+        )
+        for port in redis_cluster.master_ports()
+    )
+    assert spublished >= len(handles)  # every job's events went out on its shard channel
     expected = in_process(requests)
     for handle, events in zip(handles, yielded, strict=True):
         result = handle.result(timeout=30)

@@ -67,13 +67,14 @@ def seconds(duration: str) -> float:
     return sum(float(n) * units[u or "s"] for n, u in parts)
 
 
-def test_the_compose_file_matches_the_compose_spec_schema() -> None:
+@pytest.mark.parametrize("path", ["docker-compose.yml", "docker-compose.cluster.yml"])
+def test_the_compose_file_matches_the_compose_spec_schema(path: str) -> None:
     pytest.importorskip(
         "check_jsonschema", reason="check-jsonschema belongs in pyproject's test extras"
     )
     schema = ["--builtin-schema", "vendor.compose-spec"]
     proc = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", *schema, str(COMPOSE)],
+        [sys.executable, "-m", "check_jsonschema", *schema, str(ROOT / "compose" / path)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -191,3 +192,41 @@ def test_the_dockerfile_pins_cpu_torch_runs_as_a_user_and_enters_tokenfleet() ->
     assert {".git", ".venv"} <= ignored
     assert not {"tokenfleet", "pyproject.toml", "README.md"} & ignored
     assert interpolate(services()["worker"]["build"]["context"]) == ".."
+
+
+# ---- the cluster file: 6 nodes, durable mode ------------------------------------------
+
+CLUSTER_COMPOSE = ROOT / "compose" / "docker-compose.cluster.yml"
+
+
+def cluster_services() -> dict[str, dict[str, Any]]:
+    data = yaml.safe_load(CLUSTER_COMPOSE.read_text())
+    result: dict[str, dict[str, Any]] = data["services"]
+    return result
+
+
+def test_the_cluster_has_six_durable_nodes_formed_with_a_replica_each() -> None:
+    svcs = cluster_services()
+    nodes = {name: svc for name, svc in svcs.items() if name.startswith("redis-")}
+    assert len(nodes) == 6
+    for svc in nodes.values():
+        command = [str(arg) for arg in svc["command"]]
+        assert option(command, "--cluster-enabled") == "yes"
+        assert option(command, "--appendonly") == "yes"
+        assert option(command, "--maxmemory-policy") == "noeviction"
+    init = " ".join(str(part) for part in svcs["cluster-init"]["command"])
+    assert "--cluster create" in init and "--cluster-replicas 1" in init
+    assert all(f"redis-{i}" in init for i in range(1, 7))
+
+
+@pytest.mark.parametrize("service", ["worker", "gateway"])
+def test_the_cluster_fleet_runs_durable_on_a_cluster_url(service: str) -> None:
+    svc = cluster_services()[service]
+    command = [interpolate(str(arg)) for arg in svc["command"]]
+    assert option(command, "--redis-url").startswith("redis+cluster://")
+    assert option(command, "--wait-replicas") == "1"
+    assert svc["environment"]["TOKENFLEET_PARTITIONS"] == "12"  # one P for the fleet
+    assert svc["depends_on"]["cluster-init"]["condition"] == "service_completed_successfully"
+    group = typer.main.get_command(app)
+    sub, args = command[0], command[1:]
+    group.commands[sub].make_context(sub, list(args))  # the real CLI parses it

@@ -124,7 +124,9 @@ def test_a_partitioned_fleet_serves_every_job_with_one_slot_per_script_call(
         )
         for i in range(24)
     ]
-    monitor = Monitor(redis.Redis(connection_pool=r.connection_pool))
+    # no socket timeout: the worker may load in silence for longer than r's allows
+    kwargs = r.connection_pool.connection_kwargs
+    monitor = Monitor(redis.Redis(host=kwargs["host"], port=kwargs["port"], socket_timeout=3600))
     try:
         handles = [producer.submit(req) for req in requests]
         assert len({keys.partition_of(h.id) for h in handles}) == 4  # every partition used

@@ -94,6 +94,7 @@ _FOLLOW = {
     "zrange": "live workers' names (capacity check before submit)",
     "zcard": "submit.lua: the tenant's queued jobs",
     "subscribe": "the job's live channel",
+    "ssubscribe": "the job's live channel on a cluster (a shard channel)",
 }
 
 PRODUCER = Role(
@@ -122,6 +123,7 @@ GATEWAY = Role(
         **_SCRIPTS,
         **_FOLLOW,
         "unsubscribe": "the shared subscriber drops the channels of finished requests",
+        "sunsubscribe": "the same on a cluster (shard channels)",
         "client|setname": "names its connections on connect (CLIENT LIST); refused = no connection",
         "hgetall": "worker hashes for /v1/models and /health; a batch's results",
         "mget": "the batch driver: the results of a batch's jobs, in one call",
@@ -183,6 +185,8 @@ WORKER = Role(
         "hmget": "scripts: the job's status, entry and emitted count",
         "exists": "scripts: a candidate's heartbeat, a job's cancel flag",
         "publish": "events on each job's live channel, telemetry",
+        "spublish": "events on each job's live channel on a cluster (a shard channel)",
+        "wait": "durable mode (--wait-replicas): a tick's writes acknowledged by replicas",
     },
     (
         _worker_scope(
@@ -215,6 +219,13 @@ WORKER = Role(
             },
         ),
         _worker_scope(("worker:*",), {"del": "drops its heartbeat hash on a clean exit"}),
+        _worker_scope(
+            ("alive:*",),
+            {
+                "set": "a partitioned fleet: its heartbeat's flag per partition",
+                "del": "drops those flags on a clean exit",
+            },
+        ),
         _worker_scope(
             ("workers",),
             {"zadd": "announces itself in the workers set", "zrem": "leaves the workers set"},
@@ -297,6 +308,9 @@ def _password_rule(password: str | None, name: str, hashed: bool) -> str:
     return f">{password}"
 
 
+TAGGED = "{p*}:"  # a partition's hash tag in a key pattern ({ and } are literal there)
+
+
 def rules(
     r: Role, prefix: str = DEFAULT_PREFIX, password: str | None = None, *, hashed: bool = False
 ) -> list[str]:
@@ -309,7 +323,11 @@ def rules(
     out = ["reset", "on", _password_rule(password, r.name, hashed), f"~{p}*", f"&{p}*"]
     out += [f"+{command}" for command in sorted(r.commands)]
     for scope in r.scoped:
-        keys = " ".join(f"~{p}{pattern}" for pattern in scope.patterns)
+        # each pattern also under a partition's hash tag (`<prefix>{pN}:...`, keys.py): a
+        # partitioned fleet's, or one on Redis Cluster
+        keys = " ".join(
+            f"~{p}{tag}{pattern}" for pattern in scope.patterns for tag in ("", TAGGED)
+        )
         commands = " ".join(f"+{command}" for command in sorted(scope.commands))
         out.append(f"({keys} {commands})")
     return out

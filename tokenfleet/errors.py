@@ -52,6 +52,21 @@ class TenantQueueFull(QueueFull):
         self.tenant = tenant
 
 
+class NotReplicated(TokenfleetError):
+    """A submit the primary accepted but fewer replicas than asked acknowledged in time
+    (a producer with `wait_replicas`): the job is queued, but a failover now could lose
+    it. Submitting the same id again is safe (idempotent) and waits again."""
+
+    def __init__(self, job_id: str, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(
+            f"job {job_id}: queued on the primary, but {acked} of {wanted} replica(s) "
+            f"acknowledged it within {timeout_ms} ms; submit the same id again"
+        )
+        self.job_id = job_id
+        self.acked = acked
+        self.wanted = wanted
+
+
 class JobRejected(TokenfleetError):
     """The fleet refused the job (admission, invalid input); nothing was generated."""
 

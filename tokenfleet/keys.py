@@ -194,8 +194,20 @@ class Keys:
         return f"{self.job(job_id)}:events"
 
     def channel(self, job_id: str) -> str:
-        """Pub/sub channel: the same events, live (at most once)."""
+        """Pub/sub channel: the same events, live (at most once). On a cluster (`tagged`)
+        a shard channel (`sharded`): SPUBLISH / SSUBSCRIBE, served by its slot's node."""
         return f"{self.job(job_id)}:live"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether job channels are shard channels (Redis 7's sharded pub/sub): on a
+        cluster, where a plain PUBLISH is broadcast to every node of the cluster."""
+        return self.tagged
+
+    @property
+    def publish(self) -> str:
+        """The command that publishes on a job channel: SPUBLISH when `sharded`."""
+        return "SPUBLISH" if self.sharded else "PUBLISH"
 
     def result(self, job_id: str) -> str:
         """String: msgpack JobResult. RESULT_TTL_S."""

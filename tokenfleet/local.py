@@ -313,6 +313,25 @@ class RedisCluster:
         """SIGKILL one node (and reap it); the others fail it over after the timeout."""
         self.servers[port].stop(kill=True)
 
+    def pause(self, port: int) -> None:
+        """SIGSTOP one node: it neither serves nor replicates until `resume`."""
+        proc = self.servers[port].proc
+        assert proc is not None, f"node {port} is not running"
+        proc.send_signal(signal.SIGSTOP)
+
+    def resume(self, port: int) -> None:
+        """SIGCONT a node `pause` stopped."""
+        proc = self.servers[port].proc
+        assert proc is not None, f"node {port} is not running"
+        proc.send_signal(signal.SIGCONT)
+
+    def replica_of(self, master: int) -> int:
+        """Port of a replica that follows master `master` now."""
+        for view in self.nodes():
+            if view.master_port == master and not view.master:
+                return view.port
+        raise LookupError(f"master {master} has no replica")
+
     def start_node(self, port: int, timeout: float = 20.0) -> None:
         """Run a stopped node again: it rejoins from its nodes.conf (not waited for)."""
         self.servers[port].start(timeout=timeout)

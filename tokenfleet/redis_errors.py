@@ -32,10 +32,13 @@ from typing import Literal
 
 import redis
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     AuthorizationError,
+    ClusterError,
     NoPermissionError,
     OutOfMemoryError,
+    TryAgainError,
 )
 
 from tokenfleet.errors import TokenfleetError
@@ -58,6 +61,10 @@ class RedisFault(StrEnum):
 _CREDENTIALS_REFUSED = ("WRONGPASS", "NOAUTH")
 _SCRIPT_DENIED = "can't run this command"  # "... or subcommand": a script's call, by ACL
 _MISSING_GROUP = ("NOGROUP", "no such key")
+# a Redis Cluster between two shapes: a failover or a resharding under way (redis-py
+# raises ClusterDownError, TryAgainError, MasterDownError... with the server's message;
+# its own retries over, the message may be the bare reason)
+_CLUSTER_IN_FLUX = ("CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "MOVED ", "ASK ")
 
 
 def fault_of(exc: BaseException) -> RedisFault | None:
@@ -73,6 +80,10 @@ def fault_of(exc: BaseException) -> RedisFault | None:
         return RedisFault.PERMISSION
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return RedisFault.CONNECTION
+    if isinstance(exc, ClusterError | TryAgainError | AskError) or message.startswith(
+        _CLUSTER_IN_FLUX
+    ):
+        return RedisFault.CONNECTION  # a cluster failing over or moving slots: it passes
     if isinstance(exc, OutOfMemoryError) or message.startswith("OOM"):
         return RedisFault.OOM
     if isinstance(exc, redis.ResponseError) and message.startswith(_MISSING_GROUP):

@@ -63,7 +63,7 @@ from tokenfleet.batch.pacing import (
     carry_out_async,
     submit_round,
 )
-from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, new_id, tenant_of
+from tokenfleet.batch.store import TERMINAL, BatchStore, NotFound, get_many, new_id, tenant_of
 from tokenfleet.errors import QueueFull
 from tokenfleet.fleet import FleetView, read_workers_async
 from tokenfleet.keys import DEFAULT_MODEL
@@ -166,6 +166,9 @@ class Run:
 
     async def run(self) -> None:
         doc = await self.store.batch(self.id)
+        if doc["status"] in TERMINAL:  # ended, still open: a cluster's save cut short
+            await self.store.save_batch(doc)  # (store.py); it leaves the open batches
+            return
         while doc["status"] not in TERMINAL:
             if not await self.store.take_lease(self.id, self.d.owner):
                 return  # someone else drives it now
@@ -261,7 +264,7 @@ class Run:
             return
         pending = sorted(self.out)
         keys = [self.producer.keys.result(job_id_for(self.id, i)) for i in pending]
-        raws = await self.producer.redis.mget(keys)
+        raws = await get_many(self.producer.redis, keys)
         ended: dict[int, dict[str, Any]] = {}
         counts = doc["request_counts"]
         view = await self._view()
@@ -270,9 +273,7 @@ class Run:
                 continue
             body = self.lines[index].body
             served = view.models.get(body.model) if body is not None else None
-            line, ok = result_line(
-                self.id, self.lines[index], decode_result(raw), stopped, served
-            )
+            line, ok = result_line(self.id, self.lines[index], decode_result(raw), stopped, served)
             ended[index] = line
             counts["completed" if ok else "failed"] += 1
         await self.store.put_results(self.id, ended)

@@ -25,6 +25,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+from redis.cluster import RedisCluster
+
 from tokenfleet.batch.format import (
     SUBMIT_REFUSALS,
     BatchLine,
@@ -196,11 +198,16 @@ class _Run:
         return Sent.OUT
 
     def collect(self) -> None:
-        """Write the lines whose jobs ended (one MGET of their results)."""
+        """Write the lines whose jobs ended (one MGET of their results, per slot on a
+        cluster)."""
         if not self.out:
             return
         ids = list(self.out)
-        raws = self.producer.redis.mget([self.producer.keys.result(j) for j in ids])
+        keys = [self.producer.keys.result(j) for j in ids]
+        client = self.producer.redis
+        # one MGET, or on a cluster one per slot (MGET refuses keys of several slots there)
+        cluster = isinstance(client, RedisCluster)
+        raws = client.mget_nonatomic(keys) if cluster else client.mget(keys)
         for job_id, raw in zip(ids, raws, strict=True):
             if raw is None:
                 continue

@@ -21,6 +21,16 @@ and error files, to the batch's): a caller of another tenant is told they do not
 (`NotFound`), and lists hold only the caller's. Methods take `tenant=None` where the
 driver acts for every tenant.
 
+On a Redis Cluster these keys keep their names (no hash tag: they hash to slots all
+over the cluster, so the files' bytes spread over the masters), and a transaction holds
+keys of one slot only. So each write below is one MULTI ... EXEC on a single Redis, and
+on a cluster the same commands one after another, in an order that leaves nothing a
+reader trips on when it is cut short: an object before the lists that name it and a
+batch in `batches:open` last (lists skip ids whose object is gone); a file's object
+deleted before its bytes and its list entries; a finished batch's object saved before
+it leaves `batches:open` (a driver that finds a finished batch still there takes it
+out, `BatchDriver`). Many jobs' results are read per slot (`get_many`).
+
 Why Redis and not a shared directory: the fleet already depends on Redis being there
 and persistent, every replica reaches it, and nothing else has to be mounted into
 gateway containers. The price is memory, hence the size limit per file
@@ -36,6 +46,7 @@ import time
 from typing import Any
 
 import redis.asyncio as aredis
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from tokenfleet.keys import DEFAULT_TENANT, Keys
 from tokenfleet.lua import LEASE_LUA
@@ -73,15 +84,41 @@ def new_id(kind: str) -> str:
     return f"{kind}_{secrets.token_hex(12)}"
 
 
+Command = tuple[Any, ...]  # a command's name and arguments, as `execute_command` takes them
+
+
+async def get_many(client: aredis.Redis | AsyncRedisCluster, keys: list[str]) -> list[Any]:
+    """GET of each of `keys`, in order: one MGET, or on a cluster one per slot (MGET
+    refuses keys of several slots there)."""
+    if isinstance(client, AsyncRedisCluster):
+        return list(await client.mget_nonatomic(keys))
+    return list(await client.mget(keys))
+
+
 class BatchStore:
     def __init__(
-        self, client: aredis.Redis, keys: Keys, *, max_file_bytes: int, lease_ms: int = LEASE_MS
+        self,
+        client: aredis.Redis | AsyncRedisCluster,
+        keys: Keys,
+        *,
+        max_file_bytes: int,
+        lease_ms: int = LEASE_MS,
     ) -> None:
         self.r = client
         self.keys = keys
         self.max_file_bytes = max_file_bytes
         self.lease_ms = lease_ms
         self._lease = client.register_script(LEASE_LUA)
+
+    async def _write(self, *commands: Command) -> list[Any]:
+        """`commands` in one MULTI ... EXEC; on a cluster one after another, in the
+        order given (module docstring: callers order them to be safe cut short)."""
+        if isinstance(self.r, AsyncRedisCluster):
+            return [await self.r.execute_command(*command) for command in commands]
+        async with self.r.pipeline(transaction=True) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            return list(await pipe.execute())
 
     # ---- files ------------------------------------------------------------------------
 
@@ -105,12 +142,12 @@ class BatchStore:
             TENANT_FIELD: tenant,
         }
         created = time.time()
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.file_content(file_id), content)
-            pipe.hset(self.keys.file(file_id), mapping={"doc": json.dumps(doc)})
-            pipe.zadd(self.keys.files(), {file_id: created})
-            pipe.zadd(self.keys.files(tenant), {file_id: created})
-            await pipe.execute()
+        await self._write(
+            ("SET", self.keys.file_content(file_id), content),
+            ("HSET", self.keys.file(file_id), "doc", json.dumps(doc)),
+            ("ZADD", self.keys.files(), created, file_id),
+            ("ZADD", self.keys.files(tenant), created, file_id),
+        )
         return doc
 
     async def file(self, file_id: str, tenant: str | None = None) -> dict[str, Any]:
@@ -145,11 +182,12 @@ class BatchStore:
             doc = await self.file(file_id, tenant)
         except NotFound:
             return False
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.delete(self.keys.file(file_id), self.keys.file_content(file_id))
-            pipe.zrem(self.keys.files(), file_id)
-            pipe.zrem(self.keys.files(tenant_of(doc)), file_id)
-            deleted, *_ = await pipe.execute()
+        deleted, *_ = await self._write(
+            ("DEL", self.keys.file(file_id)),
+            ("DEL", self.keys.file_content(file_id)),
+            ("ZREM", self.keys.files(), file_id),
+            ("ZREM", self.keys.files(tenant_of(doc)), file_id),
+        )
         return bool(deleted)
 
     # ---- batches ----------------------------------------------------------------------
@@ -159,12 +197,12 @@ class BatchStore:
         doc = {**doc, TENANT_FIELD: tenant}
         batch_id = doc["id"]
         created = time.time()
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.batch(batch_id), mapping={"doc": json.dumps(doc)})
-            pipe.zadd(self.keys.batches(), {batch_id: created})
-            pipe.zadd(self.keys.batches(tenant), {batch_id: created})
-            pipe.sadd(self.keys.open_batches(), batch_id)
-            await pipe.execute()
+        await self._write(
+            ("HSET", self.keys.batch(batch_id), "doc", json.dumps(doc)),
+            ("ZADD", self.keys.batches(), created, batch_id),
+            ("ZADD", self.keys.batches(tenant), created, batch_id),
+            ("SADD", self.keys.open_batches(), batch_id),  # last: drivers look here
+        )
 
     async def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, Any]:
         """The batch object; NotFound when it does not exist or `tenant` does not own it."""
@@ -174,11 +212,12 @@ class BatchStore:
         return _owned(json.loads(raw), tenant, "batch")
 
     async def save_batch(self, doc: dict[str, Any]) -> None:
-        async with self.r.pipeline(transaction=True) as pipe:
-            pipe.hset(self.keys.batch(doc["id"]), "doc", json.dumps(doc))
-            if doc["status"] in TERMINAL:
-                pipe.srem(self.keys.open_batches(), doc["id"])
-            await pipe.execute()
+        """Store the batch object; one that ended leaves the open batches (after it is
+        saved: drivers look there)."""
+        await self._write(
+            ("HSET", self.keys.batch(doc["id"]), "doc", json.dumps(doc)),
+            *([("SREM", self.keys.open_batches(), doc["id"])] if doc["status"] in TERMINAL else []),
+        )
 
     async def batches(
         self, tenant: str, limit: int = 20, after: str | None = None
@@ -251,6 +290,7 @@ __all__ = [
     "BatchStore",
     "FileTooLarge",
     "NotFound",
+    "get_many",
     "new_id",
     "tenant_of",
 ]

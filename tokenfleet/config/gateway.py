@@ -35,6 +35,17 @@ class GatewayConfig(FleetConfig):
         Flag("--retry-after"),
         Field(ge=0, description="Retry-After seconds of a 429 (queue full)"),
     ] = 1
+    wait_replicas: Annotated[
+        int,
+        Env("TOKENFLEET_WAIT_REPLICAS"),
+        Flag("--wait-replicas"),
+        Field(
+            ge=0,
+            le=16,
+            description="durable submits, for a Redis with replicas: a request's job is "
+            "acknowledged only once this many replicas hold it (else 503, Retry-After); 0: off",
+        ),
+    ] = 0
     default_max_tokens: Annotated[
         int,
         Flag("--default-max-tokens"),

@@ -61,6 +61,16 @@ class WorkerSettings(Settings):
             "--quant (where it was measured faster)"
         ),
     ] = None
+    deterministic: Annotated[
+        bool,
+        Env("TOKENFLEET_DETERMINISTIC"),
+        Flag("--deterministic/--no-deterministic"),
+        Field(
+            description="batch-invariant numerics: a job's tokens do not depend on what "
+            "runs beside it, the prefix cache or a resume (bf16 / int8; checked at start, "
+            "docs/operations.md)"
+        ),
+    ] = False
 
     runner: Annotated[
         str,
@@ -148,6 +158,24 @@ class WorkerSettings(Settings):
             le=64,
         ),
     ] = 1
+    wait_replicas: Annotated[
+        int,
+        Env("TOKENFLEET_WAIT_REPLICAS"),
+        Flag("--wait-replicas"),
+        Field(
+            description="durable mode, for a Redis with replicas: clients see a token only "
+            "once this many replicas acknowledged it (WAIT after each tick), so a failover "
+            "never takes back a token a client saw; 0: off",
+            ge=0,
+            le=16,
+        ),
+    ] = 0
+    wait_timeout_ms: Annotated[
+        int,
+        Env("TOKENFLEET_WAIT_TIMEOUT_MS"),
+        Flag("--wait-timeout-ms"),
+        Field(description="durable mode: how long a tick's WAIT waits for the replicas", ge=1),
+    ] = 100
     threads: Annotated[
         int | None,
         Flag("--threads"),

@@ -36,7 +36,7 @@ from tokenfleet.gateway.limits import BodyLimit, Limit
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestCounter
 from tokenfleet.gateway.responses import error_response
 from tokenfleet.gateway.service import Gateway, redis_down
-from tokenfleet.gateway.subscriber import Subscriber
+from tokenfleet.gateway.subscriber import subscriber_for
 from tokenfleet.openai.errors import ApiError
 from tokenfleet.openai.models import ModelCard, ModelList
 
@@ -91,7 +91,7 @@ async def serving(
         health_check_interval=10,
         client_name=CLIENT_NAME,
     )
-    subscriber = Subscriber(pool, shards=config.pubsub_connections)
+    subscriber = subscriber_for(client, pool, config.pubsub_connections)
     subscriber.start()
     gw = Gateway(config, client, metrics, subscriber)
     store = BatchStore(

@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenfleet.backoff import Backoff
 from tokenfleet.errors import JobLost
-from tokenfleet.gateway.subscriber import Resync, Subscriber
+from tokenfleet.gateway.subscriber import LiveChannels, Resync
 from tokenfleet.keys import Keys
 from tokenfleet.producer import AsyncJobHandle
 from tokenfleet.producer.common import EventAssembler
@@ -129,7 +129,7 @@ class JobEvents:
     def __init__(
         self,
         handle: AsyncJobHandle,
-        subscriber: Subscriber,
+        subscriber: LiveChannels,
         canceller: Canceller,
         receive: Receive | None,
         *,
@@ -200,7 +200,7 @@ class JobEvents:
                     return None
                 continue
             if isinstance(item, bytes):
-                self._asm.feed_raw(item)
+                self._asm.feed_raw(item, live=True)
                 self.started = True
                 if self._asm.gap:
                     await self._replay()
@@ -244,14 +244,17 @@ class JobEvents:
         """Everything in the replay stream after the last entry read (XRANGE, exclusive)."""
         asm = self._asm
         try:
-            entries = await self._redis.xrange(
-                self._keys.events(self.handle.id), asm.replay_start(), "+"
-            )
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.xrange(self._keys.events(self.handle.id), asm.replay_start(), "+")
+            # after the XRANGE: a durable fleet's bound was set with the events it holds
+            pipe.hget(self._keys.job(self.handle.id), "durable")
+            entries, durable = await pipe.execute()
         except RedisError as exc:
             self._outage_failed(exc)
             return
         self._outage.succeeded()
         self._poll_at = time.monotonic() + SHARED_SUBSCRIPTION_POLL_S
+        asm.bound(durable)
         if asm.feed_entries(entries):
             self.started = True
         self._ready.extend(asm.ready())

@@ -31,7 +31,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenfleet.config import GatewayConfig
-from tokenfleet.errors import InvalidRequest, JobLost, JobRejected, QueueFull, TenantQueueFull
+from tokenfleet.errors import (
+    InvalidRequest,
+    JobLost,
+    JobRejected,
+    NotReplicated,
+    QueueFull,
+    TenantQueueFull,
+)
 from tokenfleet.fleet import FleetReader, ServedModel
 from tokenfleet.gateway import fanout
 from tokenfleet.gateway.auth import ANONYMOUS, Caller, caller_of
@@ -46,7 +53,7 @@ from tokenfleet.gateway.jobs import (
 )
 from tokenfleet.gateway.metrics import GatewayMetrics, RequestTally
 from tokenfleet.gateway.output import Output, OutputFactory, Rendered
-from tokenfleet.gateway.subscriber import Subscriber
+from tokenfleet.gateway.subscriber import LiveChannels
 from tokenfleet.keys import DEFAULT_MODEL
 from tokenfleet.openai.errors import ApiError, from_finish, from_queue_full, from_validation
 from tokenfleet.openai.fields import IGNORED_HEADER, ignored_fields
@@ -81,12 +88,14 @@ class Gateway:
         config: GatewayConfig,
         client: aredis.Redis,
         metrics: GatewayMetrics,
-        subscriber: Subscriber,
+        subscriber: LiveChannels,
     ) -> None:
         self.config = config
         self.redis = client
         self.keys = config.keys()
-        self.producer = AsyncProducer(client, keys=self.keys, default_cap=config.queue_cap)
+        self.producer = AsyncProducer(
+            client, keys=self.keys, default_cap=config.queue_cap, wait_replicas=config.wait_replicas
+        )
         self.fleet = FleetReader(client, self.keys, config.fleet_cache_s)
         self.metrics = metrics
         self.subscriber = subscriber
@@ -332,6 +341,16 @@ class Gateway:
             raise ApiError(400, message, code=exc.reason) from None
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), code="invalid_value") from None
+        except NotReplicated as exc:  # queued, not safe from a failover yet: the client
+            # retries with a new request, so this one is cancelled (a worker drops it)
+            await self.canceller.cancel(self.producer.handle(job.job_id))
+            raise ApiError(
+                503,
+                str(exc),
+                type="server_error",
+                code="not_replicated",
+                headers={"Retry-After": str(max(1, self.config.retry_after_s))},
+            ) from None
 
     async def _collect(self, events: JobEvents, tally: RequestTally) -> list[TokenEvent]:
         parts: list[TokenEvent] = []

@@ -16,6 +16,14 @@ restarted, the network cut, the server dropped it for a full output buffer)
 reconnects with backoff, re-subscribes every live channel, and so every live
 watcher replays what it missed: no stream sees an error for an outage it
 outlives.
+
+On a Redis Cluster job channels are shard channels (`Keys.sharded`: SPUBLISH, served by
+the primary of the channel's slot, not broadcast to every node), so `ClusterSubscriber`
+keeps one such connection per primary that serves a watched channel, and SSUBSCRIBEs a
+burst one slot at a time (a cluster refuses channels of several slots in one command).
+When a primary's connection fails, or Redis unsubscribes a channel itself (its slot
+moved: a failover, a resharding), the slot map is read again and the channels whose
+slot another node serves now move there, each watcher resyncing as above.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
 
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
-from redis.exceptions import RedisError
+from redis.crc import key_slot
+from redis.exceptions import RedisClusterException, RedisError
 
 from tokenfleet.backoff import Backoff
 
@@ -53,10 +63,26 @@ RECONNECT_FIRST_S = 0.05  # a shard's first pause after losing Redis; it doubles
 RECONNECT_MAX_S = 2.0  # ... up to this (jittered: shards and gateways don't return at once)
 
 
+class SlotMoved(Exception):
+    """Redis unsubscribed a shard channel that is still watched: its slot moved."""
+
+
 class _Shard:
-    def __init__(self, index: int, connect: Callable[[], AbstractConnection]) -> None:
+    def __init__(
+        self,
+        index: int,
+        connect: Callable[[], AbstractConnection],
+        *,
+        sharded: bool = False,
+        lost: Callable[[_Shard], Awaitable[None]] | None = None,
+    ) -> None:
         self.index = index
         self._connect = connect
+        # shard channels (a cluster): SSUBSCRIBE, one slot per command
+        self.sharded = sharded
+        self._verbs = ("SSUBSCRIBE", "SUNSUBSCRIBE") if sharded else ("SUBSCRIBE", "UNSUBSCRIBE")
+        self._lost = lost  # after a failure: the cluster's subscriber re-homes channels
+        self.retired = False  # no channel left on a node that failed: the tasks end
         self.sinks: dict[bytes, Sink] = {}
         self.conn: AbstractConnection | None = None  # set while connected
         self.connects = 0
@@ -84,6 +110,12 @@ class _Shard:
             self._unsubs.add(channel)
         self._schedule()
 
+    def forget(self, channel: bytes) -> Sink | None:
+        """Drop a channel without unsubscribing (its connection is gone: it moves)."""
+        self._subs.discard(channel)
+        self._unsubs.discard(channel)
+        return self.sinks.pop(channel, None)
+
     def _schedule(self) -> None:
         if self.conn is not None and (self._flusher is None or self._flusher.done()):
             self._flusher = asyncio.create_task(self._flush())
@@ -93,17 +125,29 @@ class _Shard:
         while self.conn is not None and (self._subs or self._unsubs):
             unsubs, self._unsubs = list(self._unsubs), set()
             subs, self._subs = list(self._subs), set()
+            subscribe, unsubscribe = self._verbs
             try:
-                for i in range(0, len(unsubs), SUBSCRIBE_BATCH):
-                    await self._send("UNSUBSCRIBE", *unsubs[i : i + SUBSCRIBE_BATCH])
-                for i in range(0, len(subs), SUBSCRIBE_BATCH):
-                    await self._send("SUBSCRIBE", *subs[i : i + SUBSCRIBE_BATCH])
+                for group in self._batches(unsubs):
+                    await self._send(unsubscribe, *group)
+                for group in self._batches(subs):
+                    await self._send(subscribe, *group)
             except (RedisError, OSError) as exc:
                 # the reader sees the broken connection too and reconnects, which
                 # subscribes every channel still watched
                 log.warning("pub/sub shard %d: sending failed: %s", self.index, exc)
                 await self._drop()
                 return
+
+    def _batches(self, channels: list[bytes]) -> list[list[bytes]]:
+        """Channels in commands of SUBSCRIBE_BATCH at most (shard channels: one slot each)."""
+        groups: dict[int, list[bytes]] = {}
+        for channel in channels:
+            groups.setdefault(key_slot(channel) if self.sharded else 0, []).append(channel)
+        return [
+            group[i : i + SUBSCRIBE_BATCH]
+            for group in groups.values()
+            for i in range(0, len(group), SUBSCRIBE_BATCH)
+        ]
 
     async def _send(self, *args: Any) -> None:
         conn = self.conn
@@ -123,7 +167,7 @@ class _Shard:
     async def run(self) -> None:
         """Connect, subscribe every watched channel, read; on any failure, again."""
         backoff = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)  # never gives up
-        while True:
+        while not self.retired:
             conn = self._connect()
             try:
                 await conn.connect()
@@ -149,6 +193,10 @@ class _Shard:
                 else:
                     with contextlib.suppress(Exception):
                         await conn.disconnect(nowait=True)
+            if self._lost is not None:
+                await self._lost(self)  # channels whose slot moved go to their new node
+            if self.retired:
+                return
             await asyncio.sleep(backoff.failed(time.monotonic()))
 
     async def _read(self, conn: AbstractConnection) -> None:
@@ -162,19 +210,21 @@ class _Shard:
             if not isinstance(reply, list) or len(reply) < 2:
                 continue  # PONG
             kind = reply[0]
-            if kind == b"message":
+            if kind in (b"message", b"smessage"):
                 sink = sinks.get(reply[1])
                 if sink is not None:
                     sink(reply[2])
-            elif kind == b"subscribe":
+            elif kind in (b"subscribe", b"ssubscribe"):
                 sink = sinks.get(reply[1])
                 if sink is not None:
                     sink(RESYNC)
+            elif kind == b"sunsubscribe" and reply[1] in sinks and reply[1] not in self._subs:
+                raise SlotMoved(f"redis unsubscribed {reply[1]!r}: its slot moved")
             # "unsubscribe" and "pong" need nothing
 
     async def ping(self) -> None:
         """PING now and then: a shard whose connection went silent reconnects."""
-        while True:
+        while not self.retired:
             await asyncio.sleep(PING_S)
             conn = self.conn
             if conn is None:
@@ -187,6 +237,18 @@ class _Shard:
                 await self._send("PING")
             except (RedisError, OSError):
                 await self._drop()
+
+
+async def _close(tasks: list[asyncio.Task[None]], shards: list[_Shard]) -> None:
+    """Stop a subscriber: its shards' tasks, then their connections."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    tasks.clear()
+    for shard in shards:
+        await shard._drop()
 
 
 class Subscriber:
@@ -216,14 +278,7 @@ class Subscriber:
             self._tasks.append(asyncio.create_task(shard.ping()))
 
     async def aclose(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
-        for shard in self._shards:
-            await shard._drop()
+        await _close(self._tasks, self._shards)
 
     def _shard(self, channel: bytes) -> _Shard:
         return self._shards[zlib.crc32(channel) % len(self._shards)]
@@ -258,3 +313,138 @@ class Subscriber:
     @property
     def reconnects(self) -> int:
         return sum(max(0, shard.connects - 1) for shard in self._shards)
+
+
+class ClusterSubscriber:
+    """`Subscriber` for a fleet on a Redis Cluster (see the module): one shard
+    connection per primary serving a watched shard channel, made when first needed."""
+
+    def __init__(self, client: AsyncRedisCluster, pool: ConnectionPool) -> None:
+        self._client = client
+        self._kwargs = {
+            **pool.connection_kwargs,
+            "health_check_interval": 0,
+            "socket_timeout": None,
+            "client_name": PUBSUB_CLIENT_NAME,
+        }
+        self._connection_class = pool.connection_class
+        self._shards: dict[str, _Shard] = {}  # node name -> its shard
+        self._home: dict[bytes, str] = {}  # channel -> the node name it is watched on
+        self._early: dict[bytes, Sink] = {}  # watched before the slot map was read
+        self._ready = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._retired_connects = 0
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._read_slot_map()))
+
+    async def _read_slot_map(self) -> None:
+        backoff = Backoff(RECONNECT_FIRST_S, RECONNECT_MAX_S)
+        while True:
+            try:
+                await self._client.initialize()  # redis-py#4296: before sharded pub/sub
+                break
+            except (RedisError, RedisClusterException) as exc:
+                log.warning("pub/sub: reading the cluster's slot map failed: %s", exc)
+                await asyncio.sleep(backoff.failed(time.monotonic()))
+        self._ready = True
+        early, self._early = self._early, {}
+        for channel, sink in early.items():
+            self._place(channel, sink)
+
+    async def aclose(self) -> None:
+        await _close(self._tasks, list(self._shards.values()))
+
+    def _node_of(self, channel: bytes) -> Any:
+        return self._client.nodes_manager.get_node_from_slot(key_slot(channel))
+
+    def _shard_at(self, node: Any) -> _Shard:
+        shard = self._shards.get(node.name)
+        if shard is None:
+            kwargs = {**self._kwargs, "host": node.host, "port": node.port}
+
+            def connect() -> AbstractConnection:
+                conn: AbstractConnection = self._connection_class(**kwargs)
+                return conn
+
+            shard = _Shard(len(self._shards), connect, sharded=True, lost=self._lost)
+            self._shards[node.name] = shard
+            self._tasks.append(asyncio.create_task(shard.run()))
+            self._tasks.append(asyncio.create_task(shard.ping()))
+        return shard
+
+    def _place(self, channel: bytes, sink: Sink) -> None:
+        node = self._node_of(channel)
+        self._home[channel] = node.name
+        self._shard_at(node).watch(channel, sink)
+
+    async def _lost(self, shard: _Shard) -> None:
+        """A shard's connection failed: read the slot map again and move the channels
+        another node serves now (each resyncs once subscribed there). A shard left
+        with no channel ends."""
+        try:
+            await self._client.nodes_manager.initialize()
+        except (RedisError, RedisClusterException) as exc:
+            log.warning("pub/sub: re-reading the cluster's slot map failed: %s", exc)
+            return  # the shard retries, and so does this at its next failure
+        name = next((n for n, s in self._shards.items() if s is shard), None)
+        for channel in list(shard.sinks):
+            node = self._node_of(channel)
+            if node.name != name:
+                sink = shard.forget(channel)
+                if sink is not None:
+                    self._home[channel] = node.name
+                    self._shard_at(node).watch(channel, sink)
+        if not shard.sinks and name is not None:
+            shard.retired = True
+            self._retired_connects += max(0, shard.connects - 1)
+            del self._shards[name]
+
+    def watch(self, channel: str, sink: Sink) -> None:
+        key = channel.encode()
+        if not self._ready:
+            self._early[key] = sink
+        else:
+            self._place(key, sink)
+
+    def unwatch(self, channel: str, sink: Sink) -> None:
+        key = channel.encode()
+        if self._early.get(key) is sink:
+            del self._early[key]
+            return
+        shard = self._shards.get(self._home.get(key, ""))
+        if shard is not None and shard.sinks.get(key) is sink:
+            shard.unwatch(key, sink)
+            del self._home[key]
+
+    def is_up(self, channel: str) -> bool:
+        shard = self._shards.get(self._home.get(channel.encode(), ""))
+        return shard is not None and shard.conn is not None
+
+    @property
+    def shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def connected(self) -> int:
+        return sum(shard.conn is not None for shard in self._shards.values())
+
+    @property
+    def watched(self) -> int:
+        return len(self._early) + sum(len(shard.sinks) for shard in self._shards.values())
+
+    @property
+    def reconnects(self) -> int:
+        live = sum(max(0, shard.connects - 1) for shard in self._shards.values())
+        return self._retired_connects + live
+
+
+LiveChannels: TypeAlias = "Subscriber | ClusterSubscriber"  # what a gateway streams from
+
+
+def subscriber_for(client: Any, pool: ConnectionPool, shards: int) -> LiveChannels:
+    """A gateway's subscriber: shard channels by node on a cluster, else `shards`
+    connections to the one server."""
+    if isinstance(client, AsyncRedisCluster):
+        return ClusterSubscriber(client, pool)
+    return Subscriber(pool, shards=shards)

@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from tokenfleet.keys import (
+    BANDS,
     DEAD_LETTERS_MAXLEN,
     EVENTS_MAXLEN,
     EVENTS_TTL_S,
@@ -111,6 +112,7 @@ class JobTarget:
     running: str  # keys.tenant_running(tenant, model)
     channel: str  # keys.channel(job_id): a channel, not a key
     job_id: str
+    publish: str = "PUBLISH"  # keys.publish: SPUBLISH for a shard channel (a cluster)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +179,10 @@ class TickJob:
     job: JobTarget
     tokens: list[TokenWrite]
     end: Finish | None = None
+    # durable mode (a fleet with replicas): the indices a replica holds, and the events
+    # that became durable since the last announce (published now); -1: a plain tick
+    durable: int = -1
+    announce: bytes = b""
 
     @property
     def count(self) -> int:
@@ -212,6 +218,9 @@ class TickCall(ScriptCall):
         "held[].entry_id",
         "held[].job.job_id",
         "held[].job.channel",
+        "held[].job.publish",
+        "held[].durable",
+        "held[].announce",
         "held[].count",
         "held[].ends",
         "held[].tokens[].index",
@@ -333,7 +342,16 @@ class PullBand:
 class PullCall(ScriptCall):
     SCRIPT = "pull"
     KEYS = ("bands[].stream", "pulls")
-    ARGV = ("group", "worker", "count", "guard", "bands[].name", "extra", "bands[].floor")
+    ARGV = (
+        "group",
+        "worker",
+        "count",
+        "guard",
+        "bands[].name",
+        "extra",
+        "bands[].floor",
+        "ceiling",
+    )
 
     worker: str
     bands: list[PullBand]  # every band of the model, highest first
@@ -341,11 +359,22 @@ class PullCall(ScriptCall):
     count: int
     guard: int  # keys.STARVATION_GUARD
     extra: int = 0
+    # the lowest band index taken by rank (a higher band waits in another partition);
+    # len(BANDS): none held back
+    ceiling: int = len(BANDS)
     group: str = GROUP
 
     @staticmethod
     def parse(reply: Any) -> list[Pulled]:
-        return [Pulled(int(b), _str(entry), _fields(flat)) for b, entry, flat in reply or []]
+        return PullCall.parse_with_top(reply)[0]
+
+    @staticmethod
+    def parse_with_top(reply: Any) -> tuple[list[Pulled], int | None]:
+        """The entries pulled, and the highest band index still waiting in the partition
+        (None: not looked at all the bands)."""
+        pulled, top = reply if reply else ([], None)
+        entries = [Pulled(int(b), _str(entry), _fields(flat)) for b, entry, flat in pulled or []]
+        return entries, None if top is None else int(top)
 
 
 # --- claim_orphans.lua ------------------------------------------------------------
@@ -423,6 +452,7 @@ class DeadLetterCall(ScriptCall):
         "terminal?.retention.events_ttl",
         "terminal?.job.channel",
         "terminal?.job.job_id",
+        "terminal?.job.publish",
     )
 
     stream: str

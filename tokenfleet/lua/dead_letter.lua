@@ -6,7 +6,7 @@
 --
 -- KEYS[1]      stream                 jobs stream
 -- KEYS[2]      dead_letters           dead-letter stream (keys.dead_letters())
--- KEYS[3..7]   terminal?              optional, with ARGV[12..20]:
+-- KEYS[3..7]   terminal?              optional, with ARGV[12..21]:
 -- KEYS[3]      terminal?.job.result   result string
 -- KEYS[4]      terminal?.job.hash     job state hash
 -- KEYS[5]      terminal?.job.events   replay stream
@@ -26,7 +26,7 @@
 --                                     and a claim already took it off the pending list
 --                                     (Delivery.lost); it is then accepted when pending
 --                                     to nobody and absent from the stream
--- ARGV[12..20] terminal?              optional, with KEYS[3..7]:
+-- ARGV[12..21] terminal?              optional, with KEYS[3..7]:
 -- ARGV[12]     terminal?.finish.result_data     msgpack JobResult
 -- ARGV[13]     terminal?.retention.result_ttl   RESULT_TTL_S
 -- ARGV[14]     terminal?.finish.reason          finish reason
@@ -36,6 +36,7 @@
 -- ARGV[18]     terminal?.retention.events_ttl   EVENTS_TTL_S
 -- ARGV[19]     terminal?.job.channel            live channel
 -- ARGV[20]     terminal?.job.job_id             job id
+-- ARGV[21]     terminal?.job.publish            'PUBLISH' or 'SPUBLISH'
 --
 -- The job id comes from the entry or its payload, which anyone who can XADD wrote: the
 -- terminal block is skipped unless the job's state hash records this very entry (a job
@@ -63,7 +64,7 @@ if #KEYS == 7 then
       result = KEYS[3], hash = KEYS[4], events = KEYS[5], queued = KEYS[6], running = KEYS[7],
       result_data = ARGV[12], result_ttl = ARGV[13], reason = ARGV[14], hash_ttl = ARGV[15],
       finish_data = ARGV[16], maxlen = ARGV[17], events_ttl = ARGV[18], channel = ARGV[19],
-      job_id = ARGV[20],
+      job_id = ARGV[20], publish = ARGV[21],
     })
   end
 end

@@ -32,6 +32,7 @@ end
 --              queued, running   the tenant's sets of queued and running jobs
 --                       (keys.tenant_queued, keys.tenant_running): the job leaves both
 --              channel  the job's live channel (keys.channel): a channel, not a key
+--              publish  'PUBLISH', or 'SPUBLISH' for a shard channel (keys.publish)
 --              job_id   the job id (the member of those sets)
 --   Finish     reason   finish reason
 --              result_data  msgpack JobResult
@@ -53,7 +54,7 @@ local function terminal_writes(t)
   end
   redis.call('EXPIRE', t.events, t.events_ttl)
   if not t.announced then
-    redis.call('PUBLISH', t.channel, t.finish_data)
+    redis.call(t.publish, t.channel, t.finish_data)
   end
 end
 

@@ -22,12 +22,19 @@
 --                                  one of it if one waits, room or not (its share of the
 --                                  worker's tokens needs work there: worker/bands.py);
 --                                  '0' (or absent) otherwise
+-- ARGV[2n+6]       ceiling         the lowest band index this call may take by rank: a
+--                                  band below it waits (a higher one waits in another
+--                                  partition of the queue); n: none held back. A band the
+--                                  starvation guard makes due, `extra` and `floor` ignore it
 --
--- Reply: a list of {band index (0 = highest), entry id, fields}, fields a flat
--- [f1, v1, ...] list, in the order pulled. Errors with NOGROUP when a band's stream
--- exists without the group (Redis restarted, or a new band): create it and pull again.
+-- Reply: {pulled, top}: pulled a list of {band index (0 = highest), entry id, fields},
+-- fields a flat [f1, v1, ...] list, in the order pulled; top the highest band index with
+-- entries still waiting after the pull (n: none), for the worker's next ceilings. Errors
+-- with NOGROUP when a band's stream exists without the group (Redis restarted, or a new
+-- band): create it and pull again.
 local n = #KEYS - 1
 local guard = tonumber(ARGV[4])
+local ceiling = tonumber(ARGV[2 * n + 6]) or n
 
 -- Whether stream `s` holds an entry the group has not delivered yet.
 local function waiting(s)
@@ -70,7 +77,7 @@ if tonumber(ARGV[3]) <= 0 and not floor then
     return top
   end
   if not top then
-    return {}
+    return {{}, n}  -- (the lower bands were not looked at: no ceiling learnt)
   end
 end
 
@@ -127,7 +134,7 @@ while left > 0 do
   end
   if not pick then
     for b = 1, n do
-      if open[b] then
+      if open[b] and b - 1 <= ceiling then
         pick = b
         break
       end
@@ -165,4 +172,10 @@ end
 if changed then
   redis.call('HSET', KEYS[n + 1], unpack(flat))
 end
-return out
+local top = n
+for b = n, 1, -1 do
+  if open[b] then
+    top = b - 1
+  end
+end
+return {out, top}

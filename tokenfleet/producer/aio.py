@@ -14,14 +14,16 @@ from typing import Any, TypeVar
 
 import redis.asyncio as aredis
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
-from tokenfleet.connect import connect_async, is_cluster_url
+from tokenfleet.connect import connect_async, initialized, is_cluster_url
+from tokenfleet.errors import NotReplicated
 from tokenfleet.fleet import read_workers_async
 from tokenfleet.keys import DEFAULT_BAND, DEFAULT_PREFIX, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
+from tokenfleet.producer.durable import submit_waiting_async
 from tokenfleet.producer.follow import STREAM_IDLE_TIMEOUT_S
 from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent
 
@@ -52,18 +54,22 @@ class _AsyncRun:
         match op:
             case ops.Command(args=args):
                 return await client.execute_command(*args)
+            case ops.Submit(keys=keys, args=args, wait=wait) if wait is not None:
+                return await submit_waiting_async(client, keys, args, wait)
             case ops.Submit(keys=keys, args=args):
                 return await self.producer._submit_script(keys=keys, args=args)
-            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if (
-                isinstance(client, AsyncRedisCluster)
-                and any(isinstance(item, ops.Submit) for item in commands)
+            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if any(
+                isinstance(item, ops.Submit)
+                and (item.wait or isinstance(client, AsyncRedisCluster))
+                for item in commands
             ):
-                # a cluster pipeline refuses script calls (redis-py#2914): one call each
+                # a cluster pipeline refuses script calls (redis-py#2914), and a durable
+                # submit waits on its own connection: one call each
                 replies: list[Any] = []
                 for item in commands:
                     try:
                         replies.append(await self.do(item))
-                    except ResponseError as exc:
+                    except (ResponseError, NotReplicated) as exc:
                         if not errors_as_replies:
                             raise
                         replies.append(exc)
@@ -80,16 +86,29 @@ class _AsyncRun:
                 return await read_workers_async(client, keys)
             case ops.Subscribe(channel=channel):
                 await self.close()
+                if self.producer.keys.sharded:  # a shard channel: its slot's node
+                    await initialized(client)  # redis-py#4296: a fresh client can't yet
+                    self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+                    return await self.pubsub.ssubscribe(channel)
                 self.pubsub = client.pubsub(ignore_subscribe_messages=True)
                 return await self.pubsub.subscribe(channel)
             case ops.Listen(timeout=timeout):
-                message = await self.pubsub.get_message(timeout=timeout)
+                if self.producer.keys.sharded:
+                    message = await self.pubsub.get_sharded_message(
+                        ignore_subscribe_messages=True, timeout=timeout
+                    )
+                else:
+                    message = await self.pubsub.get_message(timeout=timeout)
                 if message is None:
                     await asyncio.sleep(0)  # let other tasks run between polls
                 return message
             case ops.Disconnect(seconds=seconds):
                 await self.close()
-                return await asyncio.sleep(seconds)
+                await asyncio.sleep(seconds)
+                if isinstance(client, AsyncRedisCluster):  # a failover may have moved slots
+                    with contextlib.suppress(RedisError, RedisClusterException):
+                        await client.nodes_manager.initialize()
+                return None
         raise AssertionError(f"{op!r} is not an op this transport carries out")
 
     async def close(self) -> None:

@@ -12,13 +12,16 @@ from typing import Any, TypeVar
 
 import redis
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from tokenfleet.connect import connect, is_cluster_url
+from tokenfleet.errors import NotReplicated
 from tokenfleet.fleet import read_workers
 from tokenfleet.keys import DEFAULT_BAND, DEFAULT_PREFIX, Keys
 from tokenfleet.producer import ops
 from tokenfleet.producer.common import JobStatus, SubmitReply
 from tokenfleet.producer.core import HandleCore, ProducerCore
+from tokenfleet.producer.durable import submit_waiting
 from tokenfleet.producer.follow import STREAM_IDLE_TIMEOUT_S
 from tokenfleet.protocol import GenerationRequest, JobResult, TokenEvent
 
@@ -50,18 +53,21 @@ class _Run:
         match op:
             case ops.Command(args=args):
                 return client.execute_command(*args)
+            case ops.Submit(keys=keys, args=args, wait=wait) if wait is not None:
+                return submit_waiting(client, keys, args, wait)
             case ops.Submit(keys=keys, args=args):
                 return self.producer._submit_script(keys=keys, args=args)
-            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if (
-                isinstance(client, RedisCluster)
-                and any(isinstance(item, ops.Submit) for item in commands)
+            case ops.Batch(commands=commands, errors_as_replies=errors_as_replies) if any(
+                isinstance(item, ops.Submit) and (item.wait or isinstance(client, RedisCluster))
+                for item in commands
             ):
-                # a cluster pipeline refuses script calls (redis-py#2914): one call each
+                # a cluster pipeline refuses script calls (redis-py#2914), and a durable
+                # submit waits on its own connection: one call each
                 replies: list[Any] = []
                 for item in commands:
                     try:
                         replies.append(self.do(item))
-                    except redis.ResponseError as exc:
+                    except (redis.ResponseError, NotReplicated) as exc:
                         if not errors_as_replies:
                             raise
                         replies.append(exc)
@@ -79,12 +85,22 @@ class _Run:
             case ops.Subscribe(channel=channel):
                 self.close()
                 self.pubsub = client.pubsub(ignore_subscribe_messages=True)
+                if self.producer.keys.sharded:  # a shard channel: its slot's node
+                    return self.pubsub.ssubscribe(channel)
                 return self.pubsub.subscribe(channel)
             case ops.Listen(timeout=timeout):
+                if self.producer.keys.sharded:
+                    return self.pubsub.get_sharded_message(
+                        ignore_subscribe_messages=True, timeout=timeout
+                    )
                 return self.pubsub.get_message(timeout=timeout)
             case ops.Disconnect(seconds=seconds):
                 self.close()
-                return time.sleep(seconds)
+                time.sleep(seconds)
+                if isinstance(client, RedisCluster):  # a failover may have moved slots
+                    with contextlib.suppress(redis.RedisError, RedisClusterException):
+                        client.nodes_manager.initialize()
+                return None
         raise AssertionError(f"{op!r} is not an op this transport carries out")
 
     def close(self) -> None:

@@ -144,6 +144,9 @@ class EventAssembler:
     finish: FinishEvent | None = None
     finish_delivered: bool = False
     last_stream_id: str = "-"  # last replay-stream entry read, for incremental XRANGE
+    # A durable fleet's bound (the job hash's `durable`, docs/protocol.md): indices at or
+    # past it may still be taken back by a failover, so they wait; None: no bound
+    durable: int | None = None
 
     def feed(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, FinishEvent):
@@ -151,10 +154,21 @@ class EventAssembler:
         elif event.index >= self.next_index:
             self.pending.setdefault(event.index, event)
 
-    def feed_raw(self, data: bytes) -> None:
-        """One replay entry's or live message's events (one, or several coalesced)."""
+    def feed_raw(self, data: bytes, live: bool = False) -> None:
+        """One replay entry's or live message's events (one, or several coalesced). What
+        comes live was published once durable: it moves the bound past itself."""
         for event in decode_events(data):
             self.feed(event)
+            if live and self.durable is not None and isinstance(event, TokenEvent):
+                self.durable = max(self.durable, event.index + 1)
+
+    def bound(self, durable: Any) -> None:
+        """The job hash's `durable` field as read after the replay stream (None or absent:
+        no bound yet, or a fleet without one); the bound only grows."""
+        if durable is None:
+            return
+        value = int(durable)
+        self.durable = value if self.durable is None else max(self.durable, value)
 
     def replay_start(self) -> str:
         """XRANGE's start on the replay stream: everything, or what follows the last
@@ -165,13 +179,25 @@ class EventAssembler:
         """Feed an XRANGE reply of the replay stream (from `replay_start()`), remembering
         the last entry read; True when it held any entry."""
         for entry_id, fields in entries:
+            events = decode_events(fields[b"m"])
+            if self.durable is not None and any(
+                isinstance(e, TokenEvent) and e.index >= self.durable for e in events
+            ):
+                # Past what a replica holds: a failover may yet replace these tokens, so
+                # they are not kept, and the entry is read again once `durable` moves.
+                for event in events:
+                    if isinstance(event, TokenEvent) and event.index < self.durable:
+                        self.feed(event)
+                break
             self.last_stream_id = _text(entry_id)
-            self.feed_raw(fields[b"m"])
+            for event in events:
+                self.feed(event)
         return bool(entries)
 
     def ready(self) -> list[TokenEvent | FinishEvent]:
         out: list[TokenEvent | FinishEvent] = []
-        while self.next_index in self.pending:
+        limit = self.durable
+        while self.next_index in self.pending and (limit is None or self.next_index < limit):
             out.append(self.pending.pop(self.next_index))
             self.next_index += 1
         if (

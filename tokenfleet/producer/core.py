@@ -12,7 +12,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import redis
 import redis.asyncio as aredis
 
-from tokenfleet.errors import JobRejected, QueueFull
+from tokenfleet.errors import JobRejected, NotReplicated, QueueFull
 from tokenfleet.fleet import FleetCache, FleetView
 from tokenfleet.keys import CANCEL_TTL_S, DEFAULT_QUEUE_CAP, Keys
 from tokenfleet.lua import SUBMIT_LUA
@@ -48,11 +48,20 @@ class ProducerCore(Generic[C]):
     (trusted CAPACITY_TTL_S), and its calls as plans."""
 
     def __init__(
-        self, client: C, *, keys: Keys | None = None, default_cap: int = DEFAULT_QUEUE_CAP
+        self,
+        client: C,
+        *,
+        keys: Keys | None = None,
+        default_cap: int = DEFAULT_QUEUE_CAP,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
     ) -> None:
         self.redis = client
         self.keys = keys or Keys()
         self.default_cap = default_cap
+        # durable submits (failover): each submit waits for this many replicas, or
+        # raises NotReplicated (tokenfleet/producer/durable.py); 0: off
+        self.wait = (wait_replicas, wait_timeout_ms) if wait_replicas > 0 else None
         self._submit_script = client.register_script(SUBMIT_LUA)
         self._fleet = FleetCache(CAPACITY_TTL_S)
 
@@ -65,7 +74,7 @@ class ProducerCore(Generic[C]):
 
     def _submit_op(self, request: GenerationRequest) -> Submit:
         call = submit_call(self.keys, request, encode_request(request), self.default_cap)
-        return Submit(call.keys(), call.args())
+        return Submit(call.keys(), call.args(), self.wait)
 
     def _submit_plan(
         self,
@@ -107,7 +116,7 @@ class ProducerCore(Generic[C]):
             if isinstance(reply, Exception):
                 raise reply
             return Submitted(request.job_id, parse_submit_reply(self.keys, request, reply), None)
-        except (QueueFull, redis.RedisError) as exc:
+        except (QueueFull, NotReplicated, redis.RedisError) as exc:
             return Submitted(request.job_id, None, exc)
 
     def _depth_plan(self, model: str | None, band: str) -> Plan[int]:

@@ -30,6 +30,7 @@ OWN_SUBSCRIPTION_POLL_S = 0.5
 STATE_CHECK_S = 1.0  # while streaming, check the job's state still exists at least this often
 RECONNECT_FIRST_S = 0.05  # the first pause after a lost connection; it doubles per failure
 RECONNECT_MAX_S = 1.0  # ... up to this
+LIVE_MESSAGE_TYPES = ("message", "smessage")  # a channel's, a shard channel's (a cluster)
 
 
 def reconnect_backoff(*, limit_s: float | None = None, deadline: float | None = None) -> Backoff:
@@ -111,13 +112,18 @@ class JobFollower:
             commands.append(
                 Command("XRANGE", keys.events(self.job_id), self.asm.replay_start(), "+")
             )
+            # after the XRANGE: the script that wrote an event set this field with it
+            commands.append(Command("HGET", keys.job(self.job_id), "durable"))
         if check:
             commands.append(Command("EXISTS", keys.job(self.job_id), keys.result(self.job_id)))
         return Batch(tuple(commands))
 
     def absorb(self, replies: list[Any], *, replay: bool, check: bool, now: float) -> None:
         """One sync round trip's replies, in order: XRANGE of the replay stream from
-        the last entry read (when `replay`), EXISTS job hash + result (when `check`)."""
+        the last entry read and the job's `durable` bound (when `replay`), EXISTS job
+        hash + result (when `check`)."""
+        if replay:
+            self.asm.bound(replies[1])
         if replay and self.asm.feed_entries(replies[0]):
             self.known = True
             self.state_missing = False  # events prove it exists (checked again soon)
@@ -128,7 +134,7 @@ class JobFollower:
             self.known = self.known or found > 0
 
     def feed_live(self, data: bytes) -> None:
-        self.asm.feed_raw(data)
+        self.asm.feed_raw(data, live=True)
         self.known = True
         self.state_missing = False
 
@@ -136,7 +142,7 @@ class JobFollower:
         """Take what one wait on the live channel brought (None: OWN_SUBSCRIPTION_POLL_S
         passed in silence) and say what the next sync does, (replay, check): replay when nothing
         live came or a gap shows something was missed, check when one is due."""
-        if message is not None and message["type"] == "message":
+        if message is not None and message["type"] in LIVE_MESSAGE_TYPES:
             self.feed_live(message["data"])
             replay = self.asm.gap
         else:
@@ -285,4 +291,8 @@ def _may_end(message: dict[str, Any] | None) -> bool:
     if message is None:
         return True
     data = message.get("data")
-    return message.get("type") == "message" and isinstance(data, bytes) and _FINISH_TYPE in data
+    return (
+        message.get("type") in LIVE_MESSAGE_TYPES
+        and isinstance(data, bytes)
+        and _FINISH_TYPE in data
+    )

@@ -43,6 +43,9 @@ class Submit:
 
     keys: list[str]
     args: list[ScriptArg]
+    # (replicas, timeout ms): a durable submit, followed by WAIT on the same connection;
+    # fewer replicas than asked raise NotReplicated (tokenfleet/producer/durable.py)
+    wait: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,13 +38,23 @@ class Held:
     def dirty(self) -> bool:
         return self.outbox.dirty
 
-    def write(self) -> TickWrite:
+    def write(self, durable: bool = False) -> TickWrite:
         """Its part of the next tick: the events Redis lacks and, once the engine decided
-        its outcome (an engine error excepted: that one is retried), the terminal pair."""
-        end = self.outbox.end
-        if end is None or end.event.reason is FinishReason.ERROR:
-            return TickWrite(self.delivery, self.job_id, self.outbox.unsent())
-        return TickWrite(self.delivery, self.job_id, self.outbox.unsent(), (end.result, end.event))
+        its outcome (an engine error excepted: that one is retried), the terminal pair.
+        In durable mode also what a replica holds (`durable`) and the acknowledged events
+        to announce, and the end only once every event is acknowledged."""
+        box = self.outbox
+        end = box.end
+        if end is not None and end.event.reason is FinishReason.ERROR:
+            end = None
+        if durable and not box.settled():
+            end = None
+        pair = None if end is None else (end.result, end.event)
+        if not durable:
+            return TickWrite(self.delivery, self.job_id, box.unsent(), pair)
+        return TickWrite(
+            self.delivery, self.job_id, box.unsent(), pair, box.safe, box.to_announce()
+        )
 
 
 class Intake:

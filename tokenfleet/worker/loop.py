@@ -45,6 +45,7 @@ permission stops the worker with exit code 3 and a message naming it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -61,6 +62,7 @@ import redis
 from tokenfleet.backoff import Backoff
 from tokenfleet.keys import BANDS, GROUP, Keys
 from tokenfleet.protocol import MAX_STREAM_INTERVAL
+from tokenfleet.reasons import FinishReason
 from tokenfleet.redis_errors import RedisAccessError, classify_redis_error
 from tokenfleet.worker.engine import Engine
 from tokenfleet.worker.intake import Held, Intake
@@ -98,7 +100,16 @@ class WorkerOptions:
     # falls about as 1/interval, each token waits up to interval-1 ticks more
     # (docs/benchmarks.md, coordination cost)
     stream_interval: int = 1
+    # Durable mode (a Redis with replicas): each round trip ends with WAIT for this many
+    # replicas, and a token reaches clients only once acknowledged (docs/design.md,
+    # "Failover"); 0: off, tokens are published as they are written
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 100
     info: dict[str, Any] = field(default_factory=dict)  # identity fields for the heartbeat
+
+    @property
+    def durable(self) -> bool:
+        return self.wait_replicas > 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
@@ -115,6 +126,7 @@ class _Sent:
     trip: RoundTrip
     held: list[Held]
     errors: list[Finished | None]
+    durable: list[int]  # durable mode: per write, the `durable` index it announced
 
 
 class Worker:
@@ -145,6 +157,7 @@ class Worker:
         self._last_claim = 0.0
         self._last_floor = 0.0
         self._ticks = 0  # engine ticks run (flush ticks: every stream_interval'th)
+        self._replicas_warned = -math.inf  # when durable mode last said a WAIT fell short
         self._resync = False  # after a reconnect: re-read own pending list, resend events
         self._all_deferred = False  # the last admit put back every entry it read
         self.started_at = time.time()
@@ -273,7 +286,8 @@ class Worker:
         if self._resync:
             self._resync_after_reconnect()
         flush = self._flush
-        if self.in_flight is None and any(h.outbox.due(flush) for h in self.held.values()):
+        durable = self.options.durable
+        if self.in_flight is None and any(h.outbox.due(flush, durable) for h in self.held.values()):
             self.publish()  # catch up (after a failure) before computing anything new
             return
         self.tick()
@@ -361,8 +375,9 @@ class Worker:
         and a read of the entries the engine has room for next (WorkerQueue.send)."""
         assert self.in_flight is None, "a round trip is already in flight"
         flush = self._flush
-        held = [h for h in self.held.values() if h.outbox.in_tick(flush)]
-        writes = [h.write() for h in held]
+        durable = self.options.durable
+        held = [h for h in self.held.values() if h.outbox.in_tick(flush, durable)]
+        writes = [h.write(durable) for h in held]
         pull = None
         if not self.draining and (self.engine.has_work or held):
             # plus interactive jobs that would preempt lower bands running here (looked
@@ -375,14 +390,24 @@ class Worker:
                 floor=self._floor_bands() if flush else (),
             )
         beat = self._heartbeat_fields() if self._heartbeat_due() else None
-        trip = self.queue.send(writes, pull, beat)
+        wait = None
+        if durable and writes:
+            wait = (self.options.wait_replicas, self.options.wait_timeout_ms)
+        trip = self.queue.send(writes, pull, beat, wait)
         if beat is not None:
             self._last_heartbeat = time.monotonic()
         if trip is not None:
+            # an engine error travels instead of a terminal block (an end held back in
+            # durable mode until its tokens are acknowledged is none)
             errors = [
-                h.outbox.end if w.end is None else None for h, w in zip(held, writes, strict=True)
+                h.outbox.end
+                if w.end is None
+                and h.outbox.end
+                and h.outbox.end.event.reason is FinishReason.ERROR
+                else None
+                for h, w in zip(held, writes, strict=True)
             ]
-            self.in_flight = _Sent(trip, held, errors)
+            self.in_flight = _Sent(trip, held, errors, [w.durable for w in writes])
 
     @property
     def _flush(self) -> bool:
@@ -412,14 +437,22 @@ class Worker:
             return
         replies = sent.trip.replies()
         if replies.tick is not None:
-            self._apply(sent, replies.tick)
+            self._apply(sent, replies.tick, replies.replicated)
+            if replies.replicated is not None and not all(replies.replicated):
+                self._short_of_replicas(replies.replicated.count(False))
         self.prefetched += replies.pulled
         if replies.failures:
             raise replies.failures[0]
 
-    def _apply(self, sent: _Sent, verdicts: list[TickReply]) -> None:
-        for job, error, reply in zip(sent.held, sent.errors, verdicts, strict=True):
+    def _apply(self, sent: _Sent, verdicts: list[TickReply], replicated: list[bool] | None) -> None:
+        for n, (job, error, reply) in enumerate(zip(sent.held, sent.errors, verdicts, strict=True)):
             job.outbox.confirm(reply.next_index)
+            if self.options.durable and reply.verdict is not TickVerdict.LOST:
+                # what this round trip announced is out; what it wrote, once a replica
+                # has it, is announced by the next
+                job.outbox.announced = max(job.outbox.announced, sent.durable[n])
+                if replicated is not None and replicated[n]:
+                    job.outbox.secure(reply.next_index)
             if reply.verdict is TickVerdict.LOST:
                 self.engine.drop(job.job_id)
                 del self.held[job.job_id]
@@ -435,6 +468,20 @@ class Worker:
                 self.intake.retry_or_dead_letter(job, error)  # an engine error: events out
             elif reply.verdict is TickVerdict.CANCEL and job.outbox.end is None:
                 self.engine.cancel(job.job_id)
+
+    def _short_of_replicas(self, writes: int) -> None:
+        """Durable mode: a round trip's WAIT counted fewer replicas than asked; what it
+        wrote is held back from clients until a later WAIT covers it. Said at most every
+        10 s (a primary without replicas would say it every tick)."""
+        now = time.monotonic()
+        if now - self._replicas_warned >= 10.0:
+            self._replicas_warned = now
+            log.warning(
+                "durable mode: fewer than %d replica(s) acknowledged %d job(s)' writes; "
+                "their tokens wait for a replica before clients see them",
+                self.options.wait_replicas,
+                writes,
+            )
 
     # ---- heartbeat ---------------------------------------------------------------
 
@@ -455,6 +502,7 @@ class Worker:
             "streams": self.queue.streams,
             "group": GROUP,
             "status": "draining" if self.draining else "running",
+            "wait_replicas": self.options.wait_replicas,  # durable mode (0: off)
             "redis_oom": self.redis_oom,
             "started_at": self.started_at,
             "pid": os.getpid(),

@@ -82,6 +82,8 @@ def worker_options(settings: WorkerSettings, info: dict[str, Any]) -> WorkerOpti
         drain_timeout_s=settings.drain_timeout,
         overlap=settings.overlap,
         stream_interval=settings.stream_interval,
+        wait_replicas=settings.wait_replicas,
+        wait_timeout_ms=settings.wait_timeout_ms,
         info=info,
     )
 
@@ -132,7 +134,11 @@ def _torch_model(
     if settings.threads:
         torch.set_num_threads(settings.threads)
     loaded = load_model(
-        settings.model, dtype=settings.dtype, device=settings.device, quant=settings.quant
+        settings.model,
+        dtype=settings.dtype,
+        device=settings.device,
+        quant=settings.quant,
+        deterministic=settings.deterministic,
     )
     compile_info = _compile(loaded, settings.compile)
     governor = None
@@ -163,6 +169,7 @@ def _heartbeat_info(
 ) -> dict[str, Any]:
     """What the worker's hash says it serves, and how."""
     template = loaded.tokenizer.chat_template if loaded.tokenizer is not None else None
+    det = loaded.model.deterministic
     return {
         "model": settings.model_name or "default",
         "checkpoint": settings.model,
@@ -171,6 +178,8 @@ def _heartbeat_info(
         # a quantized file is served dequantized: what it was, what it serves as
         "source_quant": loaded.source_quant,
         "quant": loaded.quant,  # weights kept int8 / int4; None: dense in `dtype`
+        # batch-invariant numerics (`--deterministic`) and how; None: off
+        "deterministic": None if det is None else det.as_fields(),
         **compile_info,
         # what a job that leaves temperature/top_k/top_p unset samples with
         "sampling_defaults": loaded.sampling_defaults.as_fields(),

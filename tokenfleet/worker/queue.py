@@ -24,17 +24,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, ResponseError
 from redis.retry import Retry
 
 from tokenfleet.errors import ProtocolError
 from tokenfleet.keys import (
+    BANDS,
     GROUP,
     STARVATION_GUARD,
     WORKER_TTL_S,
@@ -100,6 +101,10 @@ class TickWrite:
     job_id: str
     events: list[TokenEvent]
     end: tuple[JobResult, FinishEvent] | None = None
+    # durable mode: the indices a replica holds, and the acknowledged events to announce
+    # now (tick.lua); -1: a plain tick, its events published as written
+    durable: int = -1
+    announce: list[TokenEvent] = field(default_factory=list)
 
 
 class WorkerQueue:
@@ -125,6 +130,11 @@ class WorkerQueue:
         self.bands = [band for part in self.parts for band in part]
         self._band_of = {band.stream: band for band in self.bands}
         self._turn = 0  # the partition the next pull reads (round robin)
+        # per partition, the highest band index that had entries waiting when it was last
+        # pulled (len(BANDS): none, or not known yet): a pull of one partition takes no
+        # band below one waiting in another (pull.lua's ceiling), so bands rank across
+        # the whole queue, as of each partition's last pull
+        self._top = [len(BANDS)] * len(self.parts)
         self.guard = STARVATION_GUARD
         self._pull = client.register_script(PULL_LUA)
         self._dead_letter = client.register_script(DEAD_LETTER_LUA)
@@ -216,6 +226,13 @@ class WorkerQueue:
         return all(int(self.redis.xlen(stream)) == 0 for stream in self.streams)
 
     def ping(self) -> None:
+        """Whether Redis answers (raises if not). On a cluster, the slot map is read again
+        first: after a failover the slots of a node that died are served by another."""
+        if isinstance(self.redis, RedisCluster):
+            try:
+                self.redis.nodes_manager.initialize()
+            except RedisClusterException as exc:
+                raise redis.ConnectionError(f"Redis Cluster: {exc}") from exc
         self.redis.ping()
 
     def pull(self, count: int, pipe: Any, extra: int = 0, floor: Sequence[str] = ()) -> int:
@@ -234,6 +251,7 @@ class WorkerQueue:
         bands = [
             PullBand(stream=b.stream, name=b.name, floor=b.name in floor) for b in self.parts[part]
         ]
+        others = [top for p, top in enumerate(self._top) if p != part]
         return PullCall(
             worker=self.worker,
             bands=bands,
@@ -241,12 +259,15 @@ class WorkerQueue:
             count=count,
             guard=self.guard,
             extra=extra,
+            ceiling=min(others, default=len(BANDS)),
         )
 
     def parse_pull(self, reply: Any, part: int = 0) -> list[Delivery]:
+        pulled, top = PullCall.parse_with_top(reply)
+        if top is not None:
+            self._top[part] = top
         return [
-            delivery(got.entry_id, got.fields, 1, self.parts[part][got.band])
-            for got in PullCall.parse(reply)
+            delivery(got.entry_id, got.fields, 1, self.parts[part][got.band]) for got in pulled
         ]
 
     def own_pending(self, count: int) -> list[Delivery]:
@@ -347,6 +368,8 @@ class WorkerQueue:
                     job=self._target(w.delivery, w.job_id),
                     tokens=tokens,
                     end=end,
+                    durable=w.durable,
+                    announce=b"".join(encode(e) for e in w.announce),
                 )
             )
         # EVALSHA itself: a pipeline that runs a registered Script first sends SCRIPT
@@ -359,11 +382,14 @@ class WorkerQueue:
         writes: Sequence[TickWrite],
         pull: PullAsk | None = None,
         heartbeat: dict[str, Any] | None = None,
+        wait: tuple[int, int] | None = None,
     ) -> RoundTrip | None:
         """Send one tick's round trip without waiting: the fenced writes of every held
         job (tick.lua), a read for the engine (pull.lua), the heartbeat; None when there
         is nothing to send. Its replies are read with `RoundTrip.replies`, after the
-        caller computed the next tick: Redis works meanwhile."""
+        caller computed the next tick: Redis works meanwhile. `wait` (replicas, timeout
+        ms), durable mode: the round trip ends with WAIT on every node it wrote to, and
+        the replies say which writes a replica acknowledged."""
         reads = pull is not None and pull.reads
         if not writes and not reads and heartbeat is None:
             return None
@@ -374,7 +400,9 @@ class WorkerQueue:
             part = self.pull(pull.count, pipe, pull.extra, pull.floor)
         if heartbeat is not None:
             self.heartbeat(heartbeat, pipe=pipe)
-        return RoundTrip(self, in_flight(self.redis, pipe), order, part)
+        trip = RoundTrip(self, in_flight(self.redis, pipe, wait), order, part)
+        trip.wait_for = 0 if wait is None else wait[0]
+        return trip
 
     def recovered(self, exc: Exception) -> bool:
         """Whether `exc` from a round trip was a Redis that lost its scripts or its
@@ -414,6 +442,7 @@ class WorkerQueue:
             running=running,
             channel=k.channel(job_id),
             job_id=job_id,
+            publish=k.publish,
         )
 
     def emitted_tokens(self, job_id: str) -> list[int]:
@@ -595,6 +624,8 @@ class Replies:
     tick: list[TickReply] | None
     pulled: list[Delivery]
     failures: list[Exception]
+    # durable mode: per write, whether the WAIT of the node it went to saw enough replicas
+    replicated: list[bool] | None = None
 
 
 class RoundTrip:
@@ -613,6 +644,7 @@ class RoundTrip:
         self._call = call
         self._order = order
         self._part = part
+        self.wait_for = 0  # replicas the round trip's WAIT asked for (0: no WAIT)
 
     def replies(self) -> Replies:
         """Wait for the replies and name them (see `Replies`). When one partition's tick
@@ -622,17 +654,23 @@ class RoundTrip:
         tick: list[TickReply] | None = None
         pulled: list[Delivery] = []
         failures: list[Exception] = []
+        replicated: list[bool] | None = None
         if self._order:
             by_write: dict[int, TickReply] = {}
-            for indices in self._order:
+            acked: dict[int, bool] = {}
+            for command, indices in enumerate(self._order):  # the tick calls come first
                 reply = next(got)
                 if isinstance(reply, Exception):
                     failures.append(reply)  # the writes stay in the sessions: sent again
                     continue
+                replicas = self._call.replicas(command)
                 for i, verdict in zip(indices, self._queue.parse_tick(reply), strict=True):
                     by_write[i] = verdict
+                    acked[i] = self.wait_for > 0 and replicas >= self.wait_for
             if len(by_write) == sum(len(indices) for indices in self._order):
                 tick = [by_write[i] for i in range(len(by_write))]
+                if self.wait_for > 0:
+                    replicated = [acked[i] for i in range(len(acked))]
         if self._part is not None:
             reply = next(got)
             if isinstance(reply, Exception):
@@ -640,7 +678,8 @@ class RoundTrip:
             else:
                 pulled = self._queue.parse_pull(reply, self._part)
         failures += [r for r in got if isinstance(r, Exception)]  # the heartbeat's
-        return Replies(tick, pulled, [f for f in failures if not self._queue.recovered(f)])
+        failures = [f for f in failures if not self._queue.recovered(f)]
+        return Replies(tick, pulled, failures, replicated)
 
     def abandon(self) -> None:
         """Give it up (its connection was lost): what it carried goes out again."""
@@ -653,9 +692,14 @@ class InFlight:
     Read it with `replies()` or give it up with `abandon()`: either returns the
     connection to the pool."""
 
-    def __init__(self, client: redis.Redis, pipe: Any) -> None:
+    def __init__(self, client: redis.Redis, pipe: Any, wait: tuple[int, int] | None = None) -> None:
         self.client = client
         self.commands: list[tuple[tuple[Any, ...], dict[str, Any]]] = list(pipe.command_stack)
+        # durable mode: WAIT last, on the connection that wrote (it waits for its writes)
+        self._waits = wait is not None
+        if wait is not None:
+            self.commands.append((("WAIT", *wait), {}))
+        self.acked = 0  # replicas the WAIT counted
         pool = client.connection_pool
         self.conn = pool.get_connection()
         try:
@@ -680,7 +724,14 @@ class InFlight:
             raise
         finally:
             self.client.connection_pool.release(self.conn)
+        if self._waits:
+            got = out.pop()
+            self.acked = got if isinstance(got, int) else 0
         return out
+
+    def replicas(self, command: int) -> int:
+        """Replicas the round trip's WAIT counted (after `replies`)."""
+        return self.acked
 
     def abandon(self) -> None:
         self.conn.disconnect()
@@ -699,12 +750,14 @@ def _stack(client: Any) -> Any:
     return client.pipeline(transaction=False)
 
 
-def in_flight(client: Any, pipe: Any) -> InFlight | NodesInFlight:
+def in_flight(
+    client: Any, pipe: Any, wait: tuple[int, int] | None = None
+) -> InFlight | NodesInFlight:
     """Send `pipe`'s commands now, to read their replies later: on one connection, or on
-    a cluster one per node serving them."""
+    a cluster one per node serving them (`wait`: each ending with WAIT replicas timeout)."""
     if isinstance(client, RedisCluster):
-        return NodesInFlight(client, pipe)
-    return InFlight(client, pipe)
+        return NodesInFlight(client, pipe, wait)
+    return InFlight(client, pipe, wait)
 
 
 @dataclass(frozen=True)
@@ -720,7 +773,9 @@ class NodesInFlight:
     every node at once, one connection each; the replies come back in the pipeline's
     order. A reply of a slot that moved is a MOVED error (`WorkerQueue.recovered`)."""
 
-    def __init__(self, client: RedisCluster, pipe: Any) -> None:
+    def __init__(
+        self, client: RedisCluster, pipe: Any, wait: tuple[int, int] | None = None
+    ) -> None:
         commands = list(pipe.command_stack)
         by_node: dict[str, list[int]] = {}
         nodes: dict[str, Any] = {}
@@ -730,10 +785,13 @@ class NodesInFlight:
             nodes[node.name] = node
         self.size = len(commands)
         self.parts: list[tuple[list[int], InFlight]] = []
+        self._part_of: dict[int, InFlight] = {}
         try:
             for name, indices in by_node.items():
                 part = _Commands([commands[i] for i in indices])
-                self.parts.append((indices, InFlight(nodes[name].redis_connection, part)))
+                sent = InFlight(nodes[name].redis_connection, part, wait)
+                self.parts.append((indices, sent))
+                self._part_of.update(dict.fromkeys(indices, sent))
         except BaseException:
             self.abandon()
             raise
@@ -750,6 +808,10 @@ class NodesInFlight:
             for i, reply in zip(indices, got, strict=True):
                 out[i] = reply
         return out
+
+    def replicas(self, command: int) -> int:
+        """Replicas the WAIT of the node that served command `command` counted."""
+        return self._part_of[command].acked
 
     def abandon(self) -> None:
         for _, part in self.parts:

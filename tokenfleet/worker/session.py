@@ -62,33 +62,54 @@ class Outbox:
     sent: int = 0  # token indices the job's replay stream holds, as the last publish said
     end: Finished | None = None
     first: int = field(init=False)  # `sent` when the job came here: its first new token
+    # Durable mode (a Redis with replicas): `safe`, the indices a replica acknowledged
+    # (a WAIT after the tick that wrote them); `announced`, those published to clients.
+    # Events a worker before this one wrote are announced by the hash's `durable` once
+    # this worker's first WAIT covers them, not published again.
+    safe: int = 0
+    announced: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.first = self.sent
+        self.announced = self.sent
 
     def unsent(self) -> list[TokenEvent]:
         return list(self.events[self.sent :])
 
-    def due(self, flush: bool) -> bool:
+    def due(self, flush: bool, durable: bool = False) -> bool:
         """Whether its events go out this tick: on a flush tick (every tick, or every
         --stream-interval'th: the worker's, one for all its jobs), when its outcome is
         decided, or when its first token here waits (time to first token is never held
-        back)."""
+        back). In durable mode also when acknowledged events wait to be announced."""
         waiting = len(self.events) - self.sent
         if self.end is not None:
             return True
+        if durable and self.safe > self.announced:
+            return True
         return waiting > 0 and (flush or self.sent <= self.first)
 
-    def in_tick(self, flush: bool) -> bool:
+    def in_tick(self, flush: bool, durable: bool = False) -> bool:
         """Whether the job is in this tick's fenced round trip: when it is `due`, or, on a
         flush tick, for the owner and cancel checks alone (every job, every tick, at
         interval 1). Between flushes a job is checked only when it sends: its cancel is
         seen within the interval."""
-        return self.due(flush) or flush
+        return self.due(flush, durable) or flush
 
     def confirm(self, next_index: int) -> None:
         """Redis holds indices 0..next_index-1 now."""
         self.sent = next_index
+
+    def secure(self, next_index: int) -> None:
+        """A replica holds indices 0..next_index-1 (durable mode)."""
+        self.safe = max(self.safe, next_index)
+
+    def to_announce(self) -> list[TokenEvent]:
+        """Durable mode: the acknowledged events not published yet."""
+        return list(self.events[self.announced : self.safe])
+
+    def settled(self) -> bool:
+        """Durable mode: every event is acknowledged, so the end may go out."""
+        return self.safe >= len(self.events)
 
     def rewind(self) -> None:
         """After a lost connection: send every event again (tick.lua appends only the
