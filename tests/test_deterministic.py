@@ -13,9 +13,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import redis
 
+from tests.helpers.support import wait_for
+from tests.helpers.workers import Fleet
 from tokenfleet.model import LoadedModel, load_model
 from tokenfleet.model.deterministic import (
     DeterminismError,
@@ -25,6 +29,7 @@ from tokenfleet.model.deterministic import (
 )
 from tokenfleet.model.smollm2 import PRESET as SMOLLM2
 from tokenfleet.model.smollm2 import smollm2_gguf_path
+from tokenfleet.producer import Producer
 from tokenfleet.protocol import GenerationRequest, SamplingParams
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.engine import Engine, EngineConfig
@@ -150,8 +155,11 @@ def test_the_default_forward_depends_on_the_batch_here() -> None:
     """The check the mode passes fails on the default bf16 path on this CPU: SDPA gives
     a query other bits beside a longer context, or in a chunk of one row."""
     default = load_model("tiny-random", dtype="bfloat16")
-    with pytest.raises(DeterminismError):
+    try:
         check_forward(default.model)
+    except DeterminismError:
+        return  # measured on this session's AVX2 AMD EPYC
+    pytest.xfail("this CPU's default bf16 kernels are batch-invariant: nothing to fix here")
 
 
 def test_int8_packed_kernel_is_row_invariant_and_the_prefill_switch_is_not() -> None:
@@ -173,8 +181,12 @@ def test_float32_is_refused_where_its_kernels_are_not_invariant() -> None:
     at load instead of promising what it cannot keep."""
     from tokenfleet.errors import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="deterministic"):
-        load_model("tiny-random", dtype="float32", deterministic=True)
+    try:
+        loaded = load_model("tiny-random", dtype="float32", deterministic=True)
+    except ModelLoadError as exc:
+        assert "deterministic" in str(exc)  # as on this session's AVX2 AMD EPYC
+        return
+    check_forward(loaded.model)  # a CPU where it starts keeps the promise
 
 
 # ---- SmolLM2-135M ----------------------------------------------------------------------
@@ -205,9 +217,50 @@ def test_smollm2_tokens_do_not_depend_on_the_batch(smollm2: LoadedModel) -> None
 @needs_smollm2
 def test_smollm2_default_tokens_depend_on_the_batch_here(smollm2_default: LoadedModel) -> None:
     """What the mode fixes, in tokens: by default the same six jobs give other tokens run
-    six at a time than one at a time (measured on this CPU, an AVX2 AMD EPYC: 2 to 5 of
-    8 jobs differ, greedy ones too). A machine whose default kernels happened to be
-    batch-invariant would fail this test, and would not need the mode."""
+    six at a time than one at a time (measured on an AVX2 AMD EPYC: 2 to 5 of 8 jobs
+    differ, greedy ones too). A machine whose default kernels happen to be batch-invariant
+    reports an expected failure: it does not need the mode."""
     requests = jobs(smollm2_default.config.vocab_size, n=6, new=8)
     alone = run(smollm2_default, requests, concurrency=1, prefix_cache=False)
-    assert run(smollm2_default, requests, concurrency=6) != alone
+    if run(smollm2_default, requests, concurrency=6) == alone:
+        pytest.xfail("this CPU's default kernels gave the same tokens: nothing to fix here")
+
+
+# ---- a real fleet: kill -9 and resume on another worker ---------------------------------
+
+
+@needs_smollm2
+def test_a_kill9_resume_on_another_worker_gives_the_same_tokens(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """bf16 `--deterministic` workers (real processes): jobs whose worker is SIGKILLed
+    mid-stream are claimed by another worker, which re-prefills prompt + emitted tokens
+    beside the other jobs and goes on; every job's tokens, greedy and seeded, equal the
+    same job run alone in process."""
+    reference = load_model(SMOLLM2, dtype="bfloat16", deterministic=True)
+    requests = jobs(reference.config.vocab_size, n=4, new=24)
+    want = run(reference, requests, concurrency=1, prefix_cache=False)
+    fleet = Fleet(redis_url, tmp_path)
+    producer = Producer.from_url(redis_url)
+    client = redis.Redis.from_url(redis_url)
+    args = ("--model", SMOLLM2, "--dtype", "bfloat16", "--deterministic")
+    try:
+        handles = [producer.submit(request) for request in requests]
+        first = fleet.start("det-a", *args, burst=False)
+
+        def emitted(job_id: str) -> int:
+            return int(client.hget(producer.keys.job(job_id), "emitted") or 0)
+
+        wait_for(lambda: all(emitted(h.id) >= 4 for h in handles), 240, "every job mid-stream")
+        first.kill()
+        assert all(emitted(h.id) < 24 for h in handles), "a job finished before the kill"
+        second = fleet.start("det-b", *args)
+        for handle in handles:
+            result = handle.result(timeout=240)
+            assert result.worker == "det-b"
+            assert result.token_ids == want[handle.id], handle.id
+        assert second.wait(120) == 0, second.output()
+    finally:
+        client.close()
+        producer.redis.close()
+        fleet.stop_all()

@@ -110,7 +110,8 @@ def test_every_lower_band_gets_its_share_and_a_band_that_empties_starts_over(
     r.delete(KEYS.pulls())
     pipe = r.pipeline(transaction=False)
     q.pull(0, pipe, extra=4)
-    assert pipe.execute() == [[]] and not r.exists(KEYS.pulls())
+    [reply] = pipe.execute()
+    assert q.parse_pull(reply) == [] and not r.exists(KEYS.pulls())
 
 
 def test_a_missing_group_on_a_band_is_recreated_and_the_pull_retried(r: redis.Redis) -> None:
