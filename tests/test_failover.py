@@ -217,3 +217,34 @@ def test_a_durable_submit_is_acknowledged_only_once_a_replica_holds_it(
     finally:
         client.close()
         replica.stop(kill=True)
+
+
+def test_a_durable_gateway_answers_503_when_no_replica_holds_the_submit(
+    own_redis: RedisServer,
+) -> None:
+    """`--wait-replicas 1` on the gateway with no replica: the request is refused with 503
+    `not_replicated` and a Retry-After, and its job, queued on the primary, is cancelled
+    (a client's retry is a new request)."""
+    import httpx
+
+    from tests.helpers.gateway import ServedGateway
+    from tokenfleet.config import GatewayConfig
+
+    gateway = ServedGateway(
+        GatewayConfig(redis_url=own_redis.url, wait_replicas=1, fleet_cache_s=0.0)
+    )
+    client = redis.Redis.from_url(own_redis.url)
+    try:
+        reply = httpx.post(
+            f"{gateway.url}/v1/completions",
+            json={"model": "default", "prompt": "hi", "max_tokens": 4},
+            timeout=30,
+        )
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "not_replicated"
+        assert int(reply.headers["Retry-After"]) >= 1
+        [job] = [k for k in client.scan_iter("tokenfleet:job:*") if k.count(b":") == 2]
+        assert client.exists(job + b":cancel")  # queued on the primary, cancelled
+    finally:
+        client.close()
+        gateway.stop()
