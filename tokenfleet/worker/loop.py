@@ -448,11 +448,9 @@ class Worker:
         for n, (job, error, reply) in enumerate(zip(sent.held, sent.errors, verdicts, strict=True)):
             job.outbox.confirm(reply.next_index)
             if self.options.durable and reply.verdict is not TickVerdict.LOST:
-                # what this round trip announced is out; what it wrote, once a replica
-                # has it, is announced by the next
-                job.outbox.announced = max(job.outbox.announced, sent.durable[n])
-                if replicated is not None and replicated[n]:
-                    job.outbox.secure(reply.next_index)
+                job.outbox.acknowledged(
+                    sent.durable[n], reply.next_index, replicated is not None and replicated[n]
+                )
             if reply.verdict is TickVerdict.LOST:
                 self.engine.drop(job.job_id)
                 del self.held[job.job_id]

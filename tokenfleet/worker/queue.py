@@ -663,10 +663,11 @@ class RoundTrip:
                 if isinstance(reply, Exception):
                     failures.append(reply)  # the writes stay in the sessions: sent again
                     continue
-                replicas = self._call.replicas(command)
                 for i, verdict in zip(indices, self._queue.parse_tick(reply), strict=True):
                     by_write[i] = verdict
-                    acked[i] = self.wait_for > 0 and replicas >= self.wait_for
+                if self.wait_for > 0:  # durable mode: did this call's node's WAIT suffice
+                    enough = self._call.replicas(command) >= self.wait_for
+                    acked.update(dict.fromkeys(indices, enough))
             if len(by_write) == sum(len(indices) for indices in self._order):
                 tick = [by_write[i] for i in range(len(by_write))]
                 if self.wait_for > 0:

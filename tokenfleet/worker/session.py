@@ -99,9 +99,13 @@ class Outbox:
         """Redis holds indices 0..next_index-1 now."""
         self.sent = next_index
 
-    def secure(self, next_index: int) -> None:
-        """A replica holds indices 0..next_index-1 (durable mode)."""
-        self.safe = max(self.safe, next_index)
+    def acknowledged(self, announced: int, next_index: int, replicated: bool) -> None:
+        """Durable mode, after a round trip that was not refused: the events up to
+        `announced` are out to clients; when its WAIT counted enough replicas, they hold
+        indices 0..next_index-1, which the next round trip announces."""
+        self.announced = max(self.announced, announced)
+        if replicated:
+            self.safe = max(self.safe, next_index)
 
     def to_announce(self) -> list[TokenEvent]:
         """Durable mode: the acknowledged events not published yet."""
