@@ -23,8 +23,11 @@ QUESTION = [{"role": "user", "content": "Why is the sky blue? Answer in one sent
 
 
 Env = GatewayEnv
+# fp32 pinned: its answers are compared with the in-process fp32 engine token for token
+# (the default start's engine plan has tests of its own: tests/test_engine_plan.py)
+WORKER = ["--model", PRESET, "--model-name", "smollm2", "--kv-mb", "64", "--dtype", "float32"]
 env = gateway_env(
-    [("gw-smollm2", ["--model", PRESET, "--model-name", "smollm2", "--kv-mb", "64"])],
+    [("gw-smollm2", WORKER)],
     join_timeout=180,
 )
 

@@ -16,6 +16,7 @@ from typing import Any
 import redis
 from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from tokenfleet.fleet import band_stats, live_workers, text
 from tokenfleet.keys import BANDS, DEFAULT_BAND, DEFAULT_MODEL, DEFAULT_QUEUE_CAP, Keys
@@ -140,7 +141,7 @@ def render_status(status: dict[str, Any]) -> Group:
             str(q["cap"]),
             str(q["consumers"]),
         )
-    tables: list[Table] = [queues]
+    tables: list[Table | Text] = [queues]
     if tenants_notable(status):
         tables.append(render_tenants(status))
     workers = Table(title=f"workers ({len(status['workers'])} live)")
@@ -148,6 +149,7 @@ def render_status(status: dict[str, Any]) -> Group:
         "worker",
         "model",
         "status",
+        "engine",
         "active",
         "waiting",
         "batch",
@@ -168,6 +170,7 @@ def render_status(status: dict[str, Any]) -> Group:
             name,
             str(w.get("model", "?")),
             str(w.get("status", "?")),
+            engine_summary(w),
             str(w.get("active", 0)),
             str(w.get("waiting", 0)),
             f"{w.get('batch_size_last', 0)}/{w.get('max_batch_size', '?')}",
@@ -179,7 +182,32 @@ def render_status(status: dict[str, Any]) -> Group:
             str(finished),
         )
     tables.append(workers)
+    whys = [
+        f"{name}: {w['engine']['why']}"
+        for name, w in sorted(status["workers"].items())
+        if isinstance(w.get("engine"), dict) and w["engine"].get("why")
+    ]
+    if whys:
+        tables.append(Text("engine plans (a default start): " + "; ".join(whys)))
     return Group(*tables)
+
+
+def engine_summary(worker: Mapping[str, Any]) -> str:
+    """How a worker runs its model, short: dtype, the narrow format and its rows (a
+    default start's plan), quant, compiled, deterministic."""
+    parts = [str(worker.get("dtype") or "?")]
+    plan = worker.get("engine")
+    if isinstance(plan, dict) and plan.get("narrow"):
+        parts.append(f"+{plan['narrow']}≤{plan.get('narrow_rows')}")
+    if worker.get("quant"):
+        parts.append(str(worker["quant"]))
+    if isinstance(plan, dict) and plan.get("decode_graph") and worker.get("compile_mode"):
+        parts.append("graph")
+    elif worker.get("compile_mode"):
+        parts.append("compiled")
+    if worker.get("deterministic"):
+        parts.append("det")
+    return " ".join(parts)
 
 
 def _prefix_hit(worker: dict[str, Any]) -> str:

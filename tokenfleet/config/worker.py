@@ -57,8 +57,8 @@ class WorkerSettings(Settings):
         Env("TOKENFLEET_COMPILE"),
         Flag("--compile/--no-compile"),
         Field(
-            description="compile the forward's row-wise parts at start; unset: only with "
-            "--quant (where it was measured faster)"
+            description="compile the forward at start; unset: as the engine plan of a "
+            "default start decides (docs/operations.md), or on with --quant"
         ),
     ] = None
     deterministic: Annotated[

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor
 
 from tokenfleet.model.config import ModelConfig
 from tokenfleet.model.llama import LlamaModel
+from tokenfleet.model.quant import PackedWeight
 from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.seam import SamplingDefaults
 
@@ -26,6 +28,9 @@ class LoadedModel:
     quant: str | None = None  # "int8" / "int4": the weights are kept quantized
     # applied to what a job leaves unset (a folder's generation_config.json)
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    # a GGUF file's own Q4_0 / Q4_1 blocks, packed, by module name, kept aside for the
+    # engine plan (`load_model(..., q4_aside=True)`); not part of the model
+    q4_blocks: Mapping[str, PackedWeight] | None = None
 
 
 def build_model(

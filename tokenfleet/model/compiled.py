@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
 from tokenfleet.model.layers import (
@@ -48,6 +49,15 @@ torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
 if TYPE_CHECKING:
     from tokenfleet.model.attention.layer import ForwardContext
     from tokenfleet.model.llama import LlamaModel
+
+# torch specialises a dynamic size of 1, and ties sizes that happen to be equal when it
+# compiles (duck shapes); a decode tick has one row (one stream) or one block of context
+# (short ones) all the time, and each would be a compile of its own. Compile under this
+# (`compiled.compile_model`'s warm-up); calls need not.
+size_oblivious = fx_config.patch(  # type: ignore[attr-defined]
+    backed_size_oblivious=True, use_duck_shape=False
+)
+
 
 # Tick sizes the warm-up runs: 1 (its own graph) and 2 and 3 (the dynamic one; the
 # second size checks it really is dynamic, not recompiled per size).
@@ -195,22 +205,45 @@ def default_mode(device: torch.device) -> str:
     return "reduce-overhead" if device.type == "cuda" else "default"
 
 
-def compile_model(model: LlamaModel, mode: str | None = None) -> CompileReport:
-    """Switch `model` to the compiled pieces and warm them up on a scratch KV pool."""
+def compile_model(
+    model: LlamaModel, mode: str | None = None, *, decode_graph: bool = False
+) -> CompileReport:
+    """Switch `model` to the compiled pieces and warm them up on a scratch KV pool.
+    `decode_graph`: also compile whole decode ticks as one graph (`decode_graph.py`;
+    CPU), for the narrow weight set where the model has one, else for every decode
+    tick."""
     mode = mode or default_mode(model.device)
     started = time.perf_counter()
     model.compiled = CompiledSteps(model, mode)
-    block = 16
-    pool = model.new_kv_pool(1, block)
-    for n in _WARMUP_TOKENS:
-        model.forward([1] * n, [SeqInput([0], 0, n)], pool)  # a prefill chunk of n tokens
-        model.forward([1] * n, [SeqInput([0], i, 1) for i in range(n)], pool)  # n decodes
+    graphs = 4
+    if decode_graph:
+        from tokenfleet.model.decode_graph import DecodeGraph
+
+        model.decode_graph = DecodeGraph(model, narrow=model.narrow is not None, mode=mode)
+        graphs += 1
+    with size_oblivious:
+        _warm_up(model)
     if model.deterministic is not None:  # the compiled pieces keep its promise too
         from tokenfleet.model.deterministic import check_forward
 
         check_forward(model)
-    return CompileReport(mode, time.perf_counter() - started, graphs=4)
+    return CompileReport(mode, time.perf_counter() - started, graphs=graphs)
+
+
+def _warm_up(model: LlamaModel) -> None:
+    """Every graph compiled: prefill chunks and decode ticks of the sizes that get one."""
+    block = 16
+    pool = model.new_kv_pool(4, block)
+    for n in _WARMUP_TOKENS:
+        model.forward([1] * n, [SeqInput([0], 0, n)], pool)  # a prefill chunk of n tokens
+        model.forward([1] * n, [SeqInput([0], i, 1) for i in range(n)], pool)  # n decodes
+    if model.narrow is not None:
+        rows = model.narrow.max_rows
+        for n in (rows, rows + 1, rows + 2):  # the narrow graph past one block; dense decodes
+            wide = [SeqInput([0, 1, 2], block + i, 1) for i in range(n)]
+            model.forward([1] * n, wide, pool)
 
 
 def uncompile_model(model: LlamaModel) -> None:
     model.compiled = None
+    model.decode_graph = None

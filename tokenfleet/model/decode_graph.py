@@ -1,0 +1,191 @@
+"""A decode tick as ONE compiled graph: every layer, attention included (the LM head
+right after it).
+
+The piecewise compile (`compiled.py`) leaves attention eager, so a tick of a 30-layer
+model is 31 calls into compiled code, each with its guards and wrappers, and 30 eager
+attentions with their gathers and SDPA set-up between them: 7 ms of a one-row tick on
+SmolLM2 that are neither matmul nor arithmetic. A tick in which every row is a decode
+(one new token per sequence, the steady state) has a shape simple enough to compile
+whole: each row attends over its own past keys, read from the paged pool in place
+through its slot list, plus its own new key. Inductor turns the gather, the scores,
+the softmax and the weighted sum into fused loops that read the pool directly: no
+gathered copy of the context, no per-layer call.
+
+The pool is only read inside the graph. The tick's new K/V of every layer come out
+of it ([layers, B, KVH, hd]) and are written into the pool by one `index_copy_` per
+pool after it, so the graph has no mutated input (a functionalised scatter into a
+graph input would copy the whole pool every tick).
+
+Ticks that carry a prefill chunk keep the piecewise path: a chunk attends over many
+queries at once, where SDPA's blocked kernel beats loops.
+
+Dynamic in rows and context length (one graph, plus the one-row graph torch
+specialises); the warm-up compiles both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from tokenfleet.model.attention import paged_cpu
+from tokenfleet.model.compiled import _flatten, _unflatten
+from tokenfleet.model.layers import (
+    AttnWeights,
+    LayerShape,
+    MlpWeights,
+    attn_in,
+    attn_out_mlp,
+    linear,
+    rms_norm,
+)
+from tokenfleet.model.tick_inputs import SeqInput
+
+if TYPE_CHECKING:
+    from tokenfleet.model.kv_pool import KVPool
+    from tokenfleet.model.llama import LlamaModel
+
+
+def _tick(
+    ids: Tensor,
+    positions: Tensor,
+    tables: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    embed: Tensor,
+    inv_freq: Tensor,
+    inv_freq_local: Tensor,
+    norm: Tensor,
+    spec: Any,
+    shape: LayerShape,
+    *w: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """ids, positions [B]; tables [B, W]; pools [layers, S, KVH, hd] -> the final norm's
+    output [B, hidden] (the LM head runs after the graph) and the new k, v [layers, B,
+    KVH, hd]."""
+    attn_spec, mlp_spec, per_layer, split, windows, embed_scale, block = spec
+    dtype = embed.dtype
+
+    def rope(freq: Tensor) -> tuple[Tensor, Tensor]:
+        f = positions[:, None].float() * freq[None, :]
+        emb = torch.cat((f, f), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    cos, sin = rope(inv_freq)
+    wcos, wsin = rope(inv_freq_local)
+    x = torch.nn.functional.embedding(ids, embed)
+    if embed_scale is not None:
+        x = x * torch.tensor(embed_scale, dtype=dtype)
+    ks: list[Tensor] = []
+    vs: list[Tensor] = []
+    for i, window in enumerate(windows):
+        lw = w[i * per_layer : (i + 1) * per_layer]
+        attn_w = AttnWeights(*_unflatten(attn_spec, lw[:split]))
+        mlp_w = MlpWeights(*_unflatten(mlp_spec, lw[split:]))
+        c, s = (wcos, wsin) if window else (cos, sin)
+        q, k, v = attn_in(x, attn_w, c, s, shape)
+        att = torch.ops.tokenfleet.decode_attention(
+            q, k_pool, v_pool, k, v, tables, positions, i, block, window
+        )
+        x = attn_out_mlp(x, att, mlp_w, shape)
+        ks.append(k)
+        vs.append(v)
+    normed = rms_norm(x, norm, shape.eps, shape.scale_fp32)
+    return normed, torch.stack(ks), torch.stack(vs)
+
+
+class DecodeGraph:
+    """The whole-tick compiled decode of one model (see the module docstring)."""
+
+    def __init__(
+        self, model: LlamaModel, *, narrow: bool, max_rows: int | None = None, mode: str = "default"
+    ) -> None:
+        """The graph for the narrow weight set (`narrow`, ticks `model.is_narrow` sends
+        there) or the dense one (decode ticks of at most `max_rows` rows; None: any)."""
+        if model.shape.row_tile:
+            raise ValueError("deterministic row tiles run eagerly, not compiled")
+        if not paged_cpu.load():
+            raise RuntimeError(f"the paged decode kernel did not build: {paged_cpu.failure()}")
+        cfg = model.config
+        self.narrow = narrow
+        self.max_rows = max_rows
+        attn = [_flatten(a) for a, _ in model.layer_weights(narrow)]
+        mlp = [_flatten(m) for _, m in model.layer_weights(narrow)]
+        attn_spec, mlp_spec = attn[0][0], mlp[0][0]
+        if any(a[0] != attn_spec for a in attn) or any(m[0] != mlp_spec for m in mlp):
+            raise ValueError("layers with different weight layouts cannot share compiled code")
+        split = len(attn[0][1])
+        self._weights: list[Tensor] = []
+        for (_, a), (_, m) in zip(attn, mlp, strict=True):
+            self._weights += [*a, *m]
+        windows = tuple(cfg.window_of(i) or 0 for i in range(cfg.num_layers))
+        self._window = model._window
+        spec: tuple[Any, ...] = (
+            attn_spec,
+            mlp_spec,
+            split + len(mlp[0][1]),
+            split,
+            windows,
+            cfg.embed_scale,
+        )
+        self._spec = spec
+        self._shape = model.shape
+        self._model = model
+        # Dynamic in the tick's rows, its tables' width and the pool's slots only: the
+        # weights' shapes stay constants the generated loops are specialised on.
+        self._fn = torch.compile(_tick, dynamic=False, fullgraph=True, mode=mode)
+
+    def serves(self, rows: int, seqs: Sequence[SeqInput], narrow: bool) -> bool:
+        """Whether a forward of `rows` rows over `seqs` runs here (every seq a decode)."""
+        if narrow != self.narrow or any(s.num_new != 1 for s in seqs):
+            return False
+        return narrow or self.max_rows is None or rows <= self.max_rows
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: Tensor | Sequence[int], seqs: Sequence[SeqInput], kv: KVPool
+    ) -> Tensor:
+        """Every seq one new token (a decode): logits [B, vocab]; K/V written to `kv`."""
+        m = self._model
+        bs = kv.block_size
+        width = max(s.start_pos // bs + 1 for s in seqs)
+        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+        write: list[int] = []
+        positions: list[int] = []
+        for r, s in enumerate(seqs):
+            p = s.start_pos
+            used = s.block_table[: p // bs + 1]
+            tables[r, : len(used)] = torch.tensor(used, dtype=torch.int32)
+            write.append(used[-1] * bs + p % bs)
+            positions.append(p)
+        flat = (kv.num_layers, kv.num_slots, kv.num_kv_heads, kv.head_dim)
+        k_pool, v_pool = kv.k.view(flat), kv.v.view(flat)
+        inv_local = m._inv_freq_local if m._inv_freq_local is not None else m._inv_freq
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        for t, dims in ((ids, (0,)), (pos, (0,)), (tables, (0, 1)), (k_pool, (1,)), (v_pool, (1,))):
+            torch._dynamo.mark_dynamic(t, dims)
+        normed, k_new, v_new = self._fn(
+            ids,
+            pos,
+            tables,
+            k_pool,
+            v_pool,
+            m.embed_tokens.weight,
+            m._inv_freq,
+            inv_local,
+            m.norm.weight,
+            (*self._spec, bs),
+            self._shape,
+            *self._weights,
+        )
+        at = torch.tensor(write, dtype=torch.long)
+        k_pool.index_copy_(1, at, k_new)
+        v_pool.index_copy_(1, at, v_new)
+        # the LM head outside the graph: which copy serves depends on the rows
+        lm_head = m.head_weight(self.narrow, normed.shape[0])
+        logits = linear(normed, lm_head, None, self._shape)
+        return logits.float()
