@@ -6,6 +6,8 @@
     python bench/gpu_check.py install-plan DIR    wheels whose distribution is missing
     python bench/gpu_check.py env OUT.json         interpreter, torch, CUDA, packages
     python bench/gpu_check.py compiled OUT.json    eager vs compiled decode step times
+    python bench/gpu_check.py plan OUT.json        the default start's engine plan, and
+                                                   --deterministic: starts, batch-invariant
     python bench/gpu_check.py summary DETAILS OUT.json
 
 `deps`, `check-bundle`, `sim-base` and `install-plan` (bench/_bundle.py) import
@@ -224,6 +226,52 @@ def cmd_compiled(args: argparse.Namespace) -> None:
 # ---- summary --------------------------------------------------------------------------
 
 
+# ---- the default start's plan and the deterministic mode on this device ---------------
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    """What a default start picks on this device (tokenfleet/model/auto.py), and whether
+    `--deterministic` starts here and keeps its promise: a sequence's greedy logits the
+    same bits alone and beside three others (a small random model; SmolLM2 when its
+    wheel is there)."""
+    import torch
+
+    from tokenfleet.model import load_model
+    from tokenfleet.model.auto import plan_engine
+    from tokenfleet.model.tick_inputs import SeqInput
+
+    out: dict[str, Any] = {"device": args.device}
+    for name in args.models.split(","):
+        entry: dict[str, Any] = {}
+        try:
+            loaded = load_model(name, dtype="auto", device=args.device, q4_aside=True)
+            plan = plan_engine(loaded, compile_asked=None, q4=loaded.q4_blocks)
+            entry["plan"] = plan.as_fields()
+            entry["dtype"] = str(loaded.dtype)
+        except Exception as e:  # a model that cannot load here: say so, go on
+            entry["plan_error"] = f"{type(e).__name__}: {e}"[:400]
+        try:
+            det = load_model(name, dtype="bfloat16", device=args.device, deterministic=True)
+            model = det.model
+            pool = model.new_kv_pool(16, 16)
+            prompts = [[1 + i, 5, 9, 2 + i] for i in range(4)]
+            for i, ids in enumerate(prompts):
+                model.forward(ids, [SeqInput([4 * i, 4 * i + 1], 0, len(ids))], pool)
+            alone = model.forward([7], [SeqInput([0, 1], 4, 1)], pool)[0]
+            together = model.forward(
+                [7] * 4, [SeqInput([4 * i, 4 * i + 1], 4, 1) for i in range(4)], pool
+            )[0]
+            entry["deterministic"] = {
+                "starts": True,
+                "alone_equals_batched": bool(torch.equal(alone, together)),
+            }
+        except Exception as e:
+            entry["deterministic"] = {"starts": False, "error": f"{type(e).__name__}: {e}"[:400]}
+        out[name] = entry
+        print(name, json.dumps(entry)[:600], flush=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
@@ -301,6 +349,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
         "tests": _junit(details / "cuda_reference.xml"),
         "cuda_reference_records": records,
         "compiled": _read_json(details / "compiled.json"),
+        "plan": _read_json(details / "plan.json"),
         "engine": {},
     }
     for path in sorted(details.glob("engine-*.json")):
@@ -398,6 +447,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--mode", default=None, help="default: reduce-overhead on CUDA, else default")
+    p = command(cmd_plan, "out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--models", default="tiny-random")
     command(cmd_summary, "details", "out").add_argument("--mode", default="gpu")
     args = parser.parse_args()
     args.fn(args)

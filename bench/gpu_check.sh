@@ -12,7 +12,7 @@
 # run options:
 #   --cpu-dry-run     device cpu, tiny settings, the CUDA tests skipping: proves the bundle
 #                     and this script on a machine without a GPU (1-2 minutes)
-#   --only STEPS      comma list of tests,compiled,bench-quick,bench-full,smollm2 (env always
+#   --only STEPS      comma list of tests,compiled,plan,bench-quick,bench-full,smollm2 (env always
 #                     runs). Default: all but smollm2, which is the SmolLM2 benchmark alone,
 #                     for a second call that brings the second half of its wheel
 #   --budget SECONDS  the run's wall-clock budget (default 470 on GPU, 170 dry run); each
@@ -298,7 +298,7 @@ cmd_run() {
     esac
     shift
   done
-  [ -n "$ONLY" ] || ONLY="tests,compiled,bench-quick,bench-full"
+  [ -n "$ONLY" ] || ONLY="tests,compiled,plan,bench-quick,bench-full"
   ONLY="env,$ONLY"  # always: the summary names the machine
   [ -n "$BUDGET" ] || BUDGET=$([ $DRY = 1 ] && echo 170 || echo 470)
   DEADLINE=$(( $(date +%s) + BUDGET ))
@@ -352,6 +352,14 @@ cmd_run() {
       step compiled 150 "$VPY" bench/gpu_check.py compiled "$DETAILS/compiled.json" \
         --device cuda --configs small,smollm2-shape --dtypes bf16,fp32 --batches 1,8,32
     fi
+  fi
+  if want plan; then  # the default start's plan and --deterministic, on this device
+    local models="tiny-random"
+    [ $smol = 1 ] && models="$models,smollm2-135m-instruct"
+    local device=cuda
+    [ $DRY = 1 ] && device=cpu
+    step plan 90 "$VPY" bench/gpu_check.py plan "$DETAILS/plan.json" --device $device \
+      --models "$models"
   fi
   local configs="tiny,small"
   [ $smol = 1 ] && configs="$configs,smollm2"

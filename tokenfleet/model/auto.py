@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from tokenfleet.model.build import LoadedModel
+from tokenfleet.model.cpu import cpu_flags
 from tokenfleet.model.layers import LayerShape, Weight, linear
-from tokenfleet.model.loader import cpu_flags
 from tokenfleet.model.quant import PackedWeight, QuantKind, quantize
 
 AUTO_MIN_PARAMS = 50_000_000

@@ -31,13 +31,16 @@ from torch import Tensor
 
 from tokenfleet.model.layers import (
     AttnWeights,
+    FieldSpec,
     LayerShape,
     MlpWeights,
     Weight,
     attn_in,
     attn_out_mlp,
     between,
+    flatten_weights,
     head,
+    unflatten_weights,
 )
 from tokenfleet.model.quant import PackedWeight, weight_of
 from tokenfleet.model.tick_inputs import SeqInput
@@ -71,46 +74,8 @@ class CompileReport:
     graphs: int  # compiled pieces (each may hold a graph per specialised size)
 
 
-# How one weights dataclass is flattened to plain tensors (compiled code guards on
-# tensors cheaply, on an object per layer not at all): per field, None, "dense", or
-# (kind, out, in) for a `PackedWeight` given as its data and scales tensors.
-FieldSpec = None | str | tuple[str, int, int]
-
-
-def _flatten(w: AttnWeights | MlpWeights) -> tuple[tuple[FieldSpec, ...], list[Tensor]]:
-    spec: list[FieldSpec] = []
-    tensors: list[Tensor] = []
-    for name in w.__dataclass_fields__:
-        value = getattr(w, name)
-        if value is None:
-            spec.append(None)
-        elif isinstance(value, PackedWeight):
-            spec.append((value.kind, value.out_features, value.in_features))
-            tensors += [value.data, value.scales]
-        else:
-            spec.append("dense")
-            tensors.append(value)
-    return tuple(spec), tensors
-
-
-def _unflatten(spec: tuple[FieldSpec, ...], tensors: tuple[Tensor, ...]) -> list[Any]:
-    values: list[Any] = []
-    at = 0
-    for field in spec:
-        if field is None:
-            values.append(None)
-        elif isinstance(field, tuple):
-            kind, out, inp = field
-            values.append(PackedWeight(kind, tensors[at], tensors[at + 1], out, inp))  # type: ignore[arg-type]
-            at += 2
-        else:  # "dense"
-            values.append(tensors[at])
-            at += 1
-    return values
-
-
 def _first(x: Tensor, cos: Tensor, sin: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
-    return attn_in(x, AttnWeights(*_unflatten(spec, w)), cos, sin, shape)
+    return attn_in(x, AttnWeights(*unflatten_weights(spec, w)), cos, sin, shape)
 
 
 def _between(
@@ -118,18 +83,18 @@ def _between(
 ) -> Any:
     mlp_spec, attn_spec, split = spec
     mlp, nxt = (
-        MlpWeights(*_unflatten(mlp_spec, w[:split])),
-        AttnWeights(*_unflatten(attn_spec, w[split:])),
+        MlpWeights(*unflatten_weights(mlp_spec, w[:split])),
+        AttnWeights(*unflatten_weights(attn_spec, w[split:])),
     )
     return between(x, attn, mlp, nxt, cos, sin, shape)
 
 
 def _last(x: Tensor, attn: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
-    return attn_out_mlp(x, attn, MlpWeights(*_unflatten(spec, w)), shape)
+    return attn_out_mlp(x, attn, MlpWeights(*unflatten_weights(spec, w)), shape)
 
 
 def _head(x: Tensor, norm: Tensor, spec: Any, shape: LayerShape, *w: Tensor) -> Any:
-    (lm_head,) = _unflatten(spec, w)
+    (lm_head,) = unflatten_weights(spec, w)
     return head(x, norm, lm_head, shape)
 
 
@@ -141,8 +106,8 @@ class CompiledSteps:
         shape = model.shape
         if shape.row_tile:  # a Python loop over a dynamic row count: eager only
             raise ValueError("deterministic row tiles run eagerly, not compiled")
-        attn = [_flatten(a) for a, _ in model.layer_weights()]
-        mlp = [_flatten(m) for _, m in model.layer_weights()]
+        attn = [flatten_weights(a) for a, _ in model.layer_weights()]
+        mlp = [flatten_weights(m) for _, m in model.layer_weights()]
         # every layer is laid out alike: one spec serves all of them
         attn_spec, mlp_spec = attn[0][0], mlp[0][0]
         if any(a[0] != attn_spec for a in attn) or any(m[0] != mlp_spec for m in mlp):

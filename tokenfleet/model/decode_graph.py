@@ -32,15 +32,16 @@ import torch
 from torch import Tensor
 
 from tokenfleet.model.attention import paged_cpu
-from tokenfleet.model.compiled import _flatten, _unflatten
 from tokenfleet.model.layers import (
     AttnWeights,
     LayerShape,
     MlpWeights,
     attn_in,
     attn_out_mlp,
+    flatten_weights,
     linear,
     rms_norm,
+    unflatten_weights,
 )
 from tokenfleet.model.tick_inputs import SeqInput
 
@@ -83,8 +84,8 @@ def _tick(
     vs: list[Tensor] = []
     for i, window in enumerate(windows):
         lw = w[i * per_layer : (i + 1) * per_layer]
-        attn_w = AttnWeights(*_unflatten(attn_spec, lw[:split]))
-        mlp_w = MlpWeights(*_unflatten(mlp_spec, lw[split:]))
+        attn_w = AttnWeights(*unflatten_weights(attn_spec, lw[:split]))
+        mlp_w = MlpWeights(*unflatten_weights(mlp_spec, lw[split:]))
         c, s = (wcos, wsin) if window else (cos, sin)
         q, k, v = attn_in(x, attn_w, c, s, shape)
         att = torch.ops.tokenfleet.decode_attention(
@@ -112,8 +113,8 @@ class DecodeGraph:
         cfg = model.config
         self.narrow = narrow
         self.max_rows = max_rows
-        attn = [_flatten(a) for a, _ in model.layer_weights(narrow)]
-        mlp = [_flatten(m) for _, m in model.layer_weights(narrow)]
+        attn = [flatten_weights(a) for a, _ in model.layer_weights(narrow)]
+        mlp = [flatten_weights(m) for _, m in model.layer_weights(narrow)]
         attn_spec, mlp_spec = attn[0][0], mlp[0][0]
         if any(a[0] != attn_spec for a in attn) or any(m[0] != mlp_spec for m in mlp):
             raise ValueError("layers with different weight layouts cannot share compiled code")

@@ -11,6 +11,7 @@ whole tick's flattened batch, decode rows and prefill rows alike. Only attention
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -161,3 +162,41 @@ def head(x: Tensor, norm: Tensor, lm_head: Weight, s: LayerShape) -> Tensor:
     """The final norm and the LM head over the rows that sample -> float32 logits."""
     logits = linear(rms_norm(x, norm, s.eps, s.scale_fp32), lm_head, None, s)
     return logits.float()
+
+
+# How one weights dataclass is flattened to plain tensors (compiled code guards on
+# tensors cheaply, on an object per layer not at all): per field, None, "dense", or
+# (kind, out, in) for a `PackedWeight` given as its data and scales tensors.
+FieldSpec = None | str | tuple[str, int, int]
+
+
+def flatten_weights(w: AttnWeights | MlpWeights) -> tuple[tuple[FieldSpec, ...], list[Tensor]]:
+    spec: list[FieldSpec] = []
+    tensors: list[Tensor] = []
+    for name in w.__dataclass_fields__:
+        value = getattr(w, name)
+        if value is None:
+            spec.append(None)
+        elif isinstance(value, PackedWeight):
+            spec.append((value.kind, value.out_features, value.in_features))
+            tensors += [value.data, value.scales]
+        else:
+            spec.append("dense")
+            tensors.append(value)
+    return tuple(spec), tensors
+
+
+def unflatten_weights(spec: tuple[FieldSpec, ...], tensors: tuple[Tensor, ...]) -> list[Any]:
+    values: list[Any] = []
+    at = 0
+    for field in spec:
+        if field is None:
+            values.append(None)
+        elif isinstance(field, tuple):
+            kind, out, inp = field
+            values.append(PackedWeight(kind, tensors[at], tensors[at + 1], out, inp))  # type: ignore[arg-type]
+            at += 2
+        else:  # "dense"
+            values.append(tensors[at])
+            at += 1
+    return values

@@ -9,7 +9,6 @@ about one copy of the checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,6 +20,7 @@ from torch import Tensor
 from tokenfleet.errors import ModelLoadError
 from tokenfleet.model.build import LoadedModel, build_model
 from tokenfleet.model.config import ModelConfig
+from tokenfleet.model.cpu import cpu_has_bf16
 from tokenfleet.model.gemma3 import PRESET as GEMMA3_PRESET
 from tokenfleet.model.gemma3 import require_gemma3_gguf
 from tokenfleet.model.hub import looks_like_hub_id, resolve_hub_id
@@ -183,22 +183,6 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_bf16() else torch.float32
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags (Linux: /proc/cpuinfo; empty elsewhere)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(flags.split()[2:])  # past "flags" and ":"
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU has AVX512-BF16 or AMX-BF16."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def resolve_device(name: str) -> torch.device:

@@ -24,7 +24,7 @@ _failure: str | None = None
 
 
 def _build_dir() -> Path:
-    from tokenfleet.model.loader import cpu_flags  # -march=native: one build per CPU kind
+    from tokenfleet.model.cpu import cpu_flags  # -march=native: one build per CPU kind
 
     text = SOURCE.read_bytes() + torch.__version__.encode() + platform.processor().encode()
     digest = hashlib.blake2b(text + " ".join(sorted(cpu_flags())).encode(), digest_size=8)
@@ -70,6 +70,15 @@ def load() -> bool:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     return True
+
+
+def enabled() -> bool:
+    """Whether eager decode rows use the kernel too (the decode graph always does):
+    only with `TOKENFLEET_PAGED_ATTENTION=1`. Off by default: its rounding differs from
+    SDPA's, and a prompt's last token attended as a decode row (after a prefix-cache hit)
+    must round as it does inside a prefill chunk for a repeated request to give the same
+    bits; and it measured no faster than gather + SDPA on wide dense ticks (16 rows)."""
+    return os.environ.get("TOKENFLEET_PAGED_ATTENTION", "0") == "1" and load()
 
 
 def failure() -> str | None:

@@ -121,10 +121,9 @@ def _prepare_prefill(span: PrefillSpan, block_size: int, window: int | None = No
 
 
 class SdpaBackend:
-    """`paged` (None: where it builds, on the CPU): decode rows through the paged CPU
-    kernel (`paged_cpu`), which reads each row's keys in the pool where they lie,
-    instead of gathering them for SDPA (measured: 4 ms less per 16-row tick of SmolLM2
-    on a Xeon, docs/benchmarks.md)."""
+    """`paged` (None: as `paged_cpu.enabled()` says, off by default): decode rows
+    through the paged CPU kernel (`paged_cpu`), which reads each row's keys in the pool
+    where they lie, instead of gathering them for SDPA."""
 
     name = "sdpa"
 
@@ -134,7 +133,7 @@ class SdpaBackend:
     def prepare(self, plan: BatchPlan, window: int | None = None) -> SdpaMeta:
         bs = plan.block_size
         if self.paged is None:
-            self.paged = plan.input_ids.device.type == "cpu" and paged_cpu.load()
+            self.paged = plan.input_ids.device.type == "cpu" and paged_cpu.enabled()
         decode = (
             None if plan.decode is None else _prepare_decode(plan.decode, bs, window, self.paged)
         )
