@@ -27,7 +27,7 @@ import torch
 from _perplexity import gguf_add_bos, our_perplexity
 
 from tokenfleet.model import load_model
-from tokenfleet.model.auto import plan_engine
+from tokenfleet.model.auto import apply_plan
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.compiled import compile_model
 from tokenfleet.model.smollm2 import PRESET
@@ -86,9 +86,7 @@ def main() -> None:
     del fp32
 
     loaded = load_model(PRESET, dtype="auto", device="cpu", q4_aside=True)
-    plan = plan_engine(loaded, compile_asked=None, q4=loaded.q4_blocks)
-    if plan.narrow is not None:
-        loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
+    loaded, plan = apply_plan(loaded, compile_asked=None)  # as a default start does
     if plan.compile:
         compile_model(loaded.model, decode_graph=plan.decode_graph)
     results["plan"] = plan.as_fields()

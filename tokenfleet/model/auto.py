@@ -26,6 +26,7 @@ the reason and the figures (`tokenfleet status`).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,7 +42,7 @@ from torch import Tensor
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.cpu import cpu_flags
 from tokenfleet.model.layers import LayerShape, Weight, linear
-from tokenfleet.model.quant import PackedWeight, QuantKind, quantize
+from tokenfleet.model.quant import PackedWeight, QuantKind, quantize, resident_bytes
 
 AUTO_MIN_PARAMS = 50_000_000
 PROBE_ROWS = (1, 2, 4, 8, 16)
@@ -92,7 +93,7 @@ def plan_engine(
     candidates: dict[str, Callable[[], dict[str, Weight]]] = {
         "int8": lambda: _packed(loaded, "int8")
     }
-    if q4 and all(name in q4 for name in _names(loaded) if name != "lm_head"):
+    if q4 and all(name in q4 for name in loaded.model.projection_names() if name != "lm_head"):
         candidates["int4"] = lambda: _packed(loaded, "int4", q4)
     path = _cache_path(loaded, list(candidates), cache_dir)
     probe, cached = _read(path), True
@@ -142,19 +143,24 @@ def _crossover(packed: dict[int, float], dense: dict[int, float]) -> int:
     return rows
 
 
+def apply_plan(
+    loaded: LoadedModel, *, compile_asked: bool | None
+) -> tuple[LoadedModel, EnginePlan]:
+    """`plan_engine` on a model loaded with `q4_aside=True`, its narrow weights added:
+    the model (its `weight_bytes` counting both weight sets, the aside blocks dropped)
+    and the plan. Compiling, where the plan says so, is the caller's
+    (`compiled.compile_model(..., decode_graph=plan.decode_graph)`)."""
+    plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks)
+    if plan.narrow is not None:
+        loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
+    weight_bytes = resident_bytes(loaded.model)
+    return dataclasses.replace(loaded, q4_blocks=None, weight_bytes=weight_bytes), plan
+
+
 def _kernel_builds() -> bool:
     from tokenfleet.model.attention import paged_cpu
 
     return paged_cpu.load()
-
-
-def _names(loaded: LoadedModel) -> list[str]:
-    names = ["lm_head"]
-    for i in range(loaded.config.num_layers):
-        at = f"layers.{i}."
-        names += [f"{at}self_attn.qkv_proj", f"{at}self_attn.o_proj"]
-        names += [f"{at}mlp.gate_up_proj", f"{at}mlp.down_proj"]
-    return names
 
 
 def _matrix(loaded: LoadedModel, name: str) -> Tensor:
@@ -164,14 +170,14 @@ def _matrix(loaded: LoadedModel, name: str) -> Tensor:
 
 
 def _dense(loaded: LoadedModel) -> dict[str, Weight]:
-    return {name: _matrix(loaded, name) for name in _names(loaded)}
+    return {name: _matrix(loaded, name) for name in loaded.model.projection_names()}
 
 
 def _packed(
     loaded: LoadedModel, kind: QuantKind, given: Mapping[str, PackedWeight] | None = None
 ) -> dict[str, Weight]:
     out: dict[str, Weight] = {}
-    for name in _names(loaded):
+    for name in loaded.model.projection_names():
         if given and name in given:
             out[name] = given[name]
         else:  # the head is kept int8 whatever the layers are (`LlamaModel.add_narrow`)

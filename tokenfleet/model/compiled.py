@@ -20,6 +20,7 @@ says how long that took; inductor's on-disk cache makes a restart's warm-up chea
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass
@@ -55,8 +56,8 @@ if TYPE_CHECKING:
 
 # torch specialises a dynamic size of 1, and ties sizes that happen to be equal when it
 # compiles (duck shapes); a decode tick has one row (one stream) or one block of context
-# (short ones) all the time, and each would be a compile of its own. Compile under this
-# (`compiled.compile_model`'s warm-up); calls need not.
+# (short ones) all the time, and each would be a compile of its own. The decode graph
+# compiles under this (`compile_model`'s warm-up); calls need not.
 size_oblivious = fx_config.patch(  # type: ignore[attr-defined]
     backed_size_oblivious=True, use_duck_shape=False
 )
@@ -186,7 +187,9 @@ def compile_model(
 
         model.decode_graph = DecodeGraph(model, narrow=model.narrow is not None, mode=mode)
         graphs += 1
-    with size_oblivious:
+    # the patch for the decode graph only: the pieces compile as they always have (their
+    # one-row graph is part of what the deterministic mode's forward check has passed)
+    with size_oblivious if model.decode_graph is not None else contextlib.nullcontext():
         _warm_up(model)
     if model.deterministic is not None:  # the compiled pieces keep its promise too
         from tokenfleet.model.deterministic import check_forward

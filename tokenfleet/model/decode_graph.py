@@ -7,9 +7,9 @@ attentions with their gathers and SDPA set-up between them: 7 ms of a one-row ti
 SmolLM2 that are neither matmul nor arithmetic. A tick in which every row is a decode
 (one new token per sequence, the steady state) has a shape simple enough to compile
 whole: each row attends over its own past keys, read from the paged pool in place
-through its slot list, plus its own new key. Inductor turns the gather, the scores,
-the softmax and the weighted sum into fused loops that read the pool directly: no
-gathered copy of the context, no per-layer call.
+through its block table by a small C++ kernel (`attention/paged_cpu.cpp`, called as an
+extern op, one per layer), plus its own new key. No gathered copy of the context, one
+call into compiled code per tick.
 
 The pool is only read inside the graph. The tick's new K/V of every layer come out
 of it ([layers, B, KVH, hd]) and are written into the pool by one `index_copy_` per
@@ -19,8 +19,8 @@ graph input would copy the whole pool every tick).
 Ticks that carry a prefill chunk keep the piecewise path: a chunk attends over many
 queries at once, where SDPA's blocked kernel beats loops.
 
-Dynamic in rows and context length (one graph, plus the one-row graph torch
-specialises); the warm-up compiles both.
+Dynamic in rows, block-table width and pool size (one graph, plus the one-row graph
+torch specialises); the warm-up compiles both.
 """
 
 from __future__ import annotations
@@ -101,18 +101,15 @@ def _tick(
 class DecodeGraph:
     """The whole-tick compiled decode of one model (see the module docstring)."""
 
-    def __init__(
-        self, model: LlamaModel, *, narrow: bool, max_rows: int | None = None, mode: str = "default"
-    ) -> None:
-        """The graph for the narrow weight set (`narrow`, ticks `model.is_narrow` sends
-        there) or the dense one (decode ticks of at most `max_rows` rows; None: any)."""
+    def __init__(self, model: LlamaModel, *, narrow: bool, mode: str = "default") -> None:
+        """The graph for the narrow weight set (`narrow`: the ticks `model.is_narrow`
+        sends there) or the dense one (every decode-only tick)."""
         if model.shape.row_tile:
             raise ValueError("deterministic row tiles run eagerly, not compiled")
         if not paged_cpu.load():
             raise RuntimeError(f"the paged decode kernel did not build: {paged_cpu.failure()}")
         cfg = model.config
         self.narrow = narrow
-        self.max_rows = max_rows
         attn = [flatten_weights(a) for a, _ in model.layer_weights(narrow)]
         mlp = [flatten_weights(m) for _, m in model.layer_weights(narrow)]
         attn_spec, mlp_spec = attn[0][0], mlp[0][0]
@@ -123,7 +120,6 @@ class DecodeGraph:
         for (_, a), (_, m) in zip(attn, mlp, strict=True):
             self._weights += [*a, *m]
         windows = tuple(cfg.window_of(i) or 0 for i in range(cfg.num_layers))
-        self._window = model._window
         spec: tuple[Any, ...] = (
             attn_spec,
             mlp_spec,
@@ -139,11 +135,9 @@ class DecodeGraph:
         # weights' shapes stay constants the generated loops are specialised on.
         self._fn = torch.compile(_tick, dynamic=False, fullgraph=True, mode=mode)
 
-    def serves(self, rows: int, seqs: Sequence[SeqInput], narrow: bool) -> bool:
-        """Whether a forward of `rows` rows over `seqs` runs here (every seq a decode)."""
-        if narrow != self.narrow or any(s.num_new != 1 for s in seqs):
-            return False
-        return narrow or self.max_rows is None or rows <= self.max_rows
+    def serves(self, seqs: Sequence[SeqInput], narrow: bool) -> bool:
+        """Whether a forward over `seqs` runs here: every seq a decode, on this set."""
+        return narrow == self.narrow and all(s.num_new == 1 for s in seqs)
 
     @torch.inference_mode()
     def forward(
@@ -153,15 +147,16 @@ class DecodeGraph:
         m = self._model
         bs = kv.block_size
         width = max(s.start_pos // bs + 1 for s in seqs)
-        tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+        rows: list[list[int]] = []  # each row's blocks up to its new token's, zero-padded
         write: list[int] = []
         positions: list[int] = []
-        for r, s in enumerate(seqs):
+        for s in seqs:
             p = s.start_pos
             used = s.block_table[: p // bs + 1]
-            tables[r, : len(used)] = torch.tensor(used, dtype=torch.int32)
+            rows.append(used + [0] * (width - len(used)))
             write.append(used[-1] * bs + p % bs)
             positions.append(p)
+        tables = torch.tensor(rows, dtype=torch.int32)
         flat = (kv.num_layers, kv.num_slots, kv.num_kv_heads, kv.head_dim)
         k_pool, v_pool = kv.k.view(flat), kv.v.view(flat)
         inv_local = m._inv_freq_local if m._inv_freq_local is not None else m._inv_freq

@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from tokenfleet.model.deterministic import DeterminismReport
 
 
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
 class NarrowWeights(nn.Module):
     """A second, packed copy of every projection and the LM head, for the forwards of
     at most `max_rows` rows (`LlamaModel.add_narrow`): a few-row tick reads each weight
@@ -200,6 +203,12 @@ class LlamaModel(nn.Module):
         n = self.narrow
         return n is not None and rows <= n.max_rows and all(s.num_new == 1 for s in seqs)
 
+    def projection_names(self) -> list[str]:
+        """Every layer's projections by module name ("layers.0.self_attn.qkv_proj", ...),
+        then "lm_head": the matrices a packed weight set holds."""
+        names = [f"layers.{i}.{p}" for i in range(len(self.blocks)) for p in _PROJECTIONS]
+        return [*names, "lm_head"]
+
     def add_narrow(
         self,
         kind: QuantKind,
@@ -218,20 +227,17 @@ class LlamaModel(nn.Module):
         given = prepacked or {}
         packed: dict[str, PackedWeight] = {}
 
-        def pack(name: str, linear: nn.Linear | QuantLinear, as_kind: QuantKind) -> None:
+        for name in self.projection_names():
+            linear = self.get_submodule(name)
             if isinstance(linear, QuantLinear):
                 raise QuantError(f"{name} is quantized already: no dense set to keep beside")
-            packed[name] = given.get(name) or quantize(linear.weight, as_kind)
-            if linear.bias is not None:
+            if getattr(linear, "bias", None) is not None:
                 raise QuantError(f"{name} has a bias: the narrow set holds plain matrices")
-
-        for i, layer in enumerate(self.blocks):
-            attn, mlp, at = layer.self_attn, layer.mlp, f"layers.{i}."
-            pack(f"{at}self_attn.qkv_proj", attn.qkv_proj, kind)
-            pack(f"{at}self_attn.o_proj", attn.o_proj, kind)
-            pack(f"{at}mlp.gate_up_proj", mlp.gate_up_proj, kind)
-            pack(f"{at}mlp.down_proj", mlp.down_proj, kind)
-        pack("lm_head", self.lm_head, "int8")  # as `quantize` keeps it: the sensitive one
+            # the head as `quantize` keeps it, int8: the most sensitive matrix
+            as_kind: QuantKind = "int8" if name == "lm_head" else kind
+            weight = linear.weight
+            assert isinstance(weight, Tensor)
+            packed[name] = given.get(name) or quantize(weight, as_kind)
         rows_for_head = max_rows if head_rows is None else head_rows
         self.narrow = NarrowWeights(kind, max_rows, rows_for_head, packed)
         self._narrow_weights = []
@@ -282,7 +288,7 @@ class LlamaModel(nn.Module):
             )
         narrow = rows is None and self.is_narrow(len(input_ids), seqs)
         graph = self.decode_graph
-        if graph is not None and rows is None and graph.serves(len(input_ids), seqs, narrow):
+        if graph is not None and rows is None and graph.serves(seqs, narrow):
             return graph.forward(input_ids, seqs, kv)
         device = self.device
         if self._tick_buffers is None or self._tick_buffers.device != device:

@@ -13,7 +13,6 @@ Process-wide set-up stays with the caller: logging, signal handlers
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import platform
@@ -148,7 +147,10 @@ def _torch_model(
     )
     plan = None
     if auto:
-        loaded, plan = _apply_plan(loaded, settings.compile)
+        from tokenfleet.model.auto import apply_plan
+
+        loaded, plan = apply_plan(loaded, compile_asked=settings.compile)
+        logger.info("engine plan: %s", plan.why)
     compile_info = _compile(loaded, settings.compile, plan)
     governor = None
     if not settings.threads and loaded.device.type == "cpu":
@@ -156,20 +158,6 @@ def _torch_model(
     info = _heartbeat_info(settings, loaded, compile_info)
     info["engine"] = None if plan is None else plan.as_fields()
     return loaded, info, governor
-
-
-def _apply_plan(loaded: LoadedModel, compile_asked: bool | None) -> tuple[LoadedModel, EnginePlan]:
-    """The engine plan for this CPU and model (`tokenfleet.model.auto`), its narrow
-    weights added: the model, counted with both weight sets, and the plan."""
-    from tokenfleet.model.auto import plan_engine
-    from tokenfleet.model.quant import resident_bytes
-
-    plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks)
-    logger.info("engine plan: %s", plan.why)
-    if plan.narrow is not None:
-        loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
-    weight_bytes = resident_bytes(loaded.model)
-    return dataclasses.replace(loaded, q4_blocks=None, weight_bytes=weight_bytes), plan
 
 
 def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], None]:

@@ -83,23 +83,17 @@ void decode_attention_impl(
       to_float(qp + (b * H + kh * G) * hd, qf.data(), G * hd);
       for (int64_t i = 0; i < G * hd; ++i) qf[i] *= scale;
 
-      auto key_row = [&](int64_t j) -> const T* {
-        if (first + j == n) return kn + (b * KVH + kh) * hd;  // its own new key
+      // key / value row j of this query's context: from the pool through the block
+      // table, or (the last one, when given) its own new one
+      auto row_of = [&](const T* pool, const T* fresh, int64_t j) -> const T* {
         const int64_t p = first + j;
-        const int64_t slot = static_cast<int64_t>(tp[b * W + p / block_size]) * block_size +
-                             p % block_size;
-        return kb + (slot * KVH + kh) * hd;
-      };
-      auto value_row = [&](int64_t j) -> const T* {
-        if (first + j == n) return vn + (b * KVH + kh) * hd;
-        const int64_t p = first + j;
-        const int64_t slot = static_cast<int64_t>(tp[b * W + p / block_size]) * block_size +
-                             p % block_size;
-        return vb + (slot * KVH + kh) * hd;
+        if (p == n) return fresh + (b * KVH + kh) * hd;
+        const int64_t block = tp[b * W + p / block_size];
+        return pool + ((block * block_size + p % block_size) * KVH + kh) * hd;
       };
 
       for (int64_t j = 0; j < L; ++j) {
-        to_float(key_row(j), row.data(), hd);
+        to_float(row_of(kb, kn, j), row.data(), hd);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * hd;
           float s = 0.0f;
@@ -121,7 +115,7 @@ void decode_attention_impl(
         total[g] = sum;
       }
       for (int64_t j = 0; j < L; ++j) {
-        to_float(value_row(j), row.data(), hd);
+        to_float(row_of(vb, vn, j), row.data(), hd);
         for (int64_t g = 0; g < G; ++g) {
           const float w = scores[g * L + j];
           float* ag = acc.data() + g * hd;
