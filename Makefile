@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo clean
+.PHONY: venv llamacpp test test-fast lint demo clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+# `--runner llamacpp` (an optional extra): llama-cpp-python, which PyPI has as source only,
+# built for this CPU (-march=native) without its multimodal library. pip keeps the built
+# wheel in its cache (~/.cache/pip), so another venv on this machine installs it at once;
+# a wheel built on one CPU may not run on another (clear pip's cache when moving).
+LLAMACPP_STAMP := $(VENV)/.llamacpp
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" $(BIN)/pip install -q -e '.[llamacpp]'
+	touch $(LLAMACPP_STAMP)
+
+llamacpp: $(LLAMACPP_STAMP)
+
+# the whole suite, the llama.cpp runner's tests too (its extra is built once per machine)
+test: $(STAMP) $(LLAMACPP_STAMP)
 	$(BIN)/python -m pytest -q
 
 # The edit-test loop: pure-core tests only (see FAST_MODULES in tests/conftest.py), on one

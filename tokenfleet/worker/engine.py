@@ -131,7 +131,9 @@ class Engine:
         template = self.tokenizer.chat_template if self.tokenizer is not None else None
         self.tool_format = tool_format(template)  # how its model writes tool calls
         self.admission = Admission(self.budget)
-        self.blocks = self.budget.new_block_manager(prefix_cache=self.config.prefix_cache)
+        self.blocks = self.budget.new_block_manager(
+            prefix_cache=self.config.prefix_cache and self.spec.shares_prefix
+        )
         self.runner.allocate_kv(self.budget.num_kv_blocks, self.budget.layout.block_size)
         self.bands = BandPolicy(self.config.fairness)  # the one order of waiting jobs
         self.scheduler = Scheduler(

@@ -108,6 +108,8 @@ def build_worker(settings: WorkerSettings) -> Worker:
     model: ModelRunner | LoadedModel
     if settings.runner == "sim":
         model, info, governor = _sim_runner(settings)
+    elif settings.runner == "llamacpp":
+        model, info, governor = _llamacpp_runner(settings, engine)
     else:
         model, info, governor = _torch_model(settings)
     options = worker_options(settings, info)
@@ -172,6 +174,54 @@ def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], No
         "device": "sim",
         "sampling_defaults": {},
         "tool_format": str(tool_format(runner.tokenizer.chat_template)),
+        "host": platform.node(),
+    }
+    return runner, info, None
+
+
+def _llamacpp_runner(
+    settings: WorkerSettings, engine: EngineConfig
+) -> tuple[ModelRunner, dict[str, Any], None]:
+    """The model on llama.cpp, sized to the node's budget, and what the heartbeat says
+    about it. llama.cpp keeps its own threads: no thread governor."""
+    from tokenfleet.model.llamacpp_runner import LlamaCppOptions, LlamaCppRunner
+    from tokenfleet.model.loader import preset_file
+
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--quant", settings.quant is not None),
+            ("--deterministic", settings.deterministic),
+            ("--compile", bool(settings.compile)),
+            ("--device", settings.device not in ("auto", "cpu")),
+        )
+        if given
+    ]
+    if unsupported:
+        raise ModelLoadError(
+            f"--runner llamacpp serves the file's own quantization on the CPU: "
+            f"{', '.join(unsupported)} do not apply to it"
+        )
+    options = LlamaCppOptions(
+        kv_budget_bytes=engine.kv_budget_bytes,
+        block_size=engine.block_size,
+        max_sequences=engine.max_active,
+        max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
+        threads=settings.threads,
+    )
+    runner = LlamaCppRunner(preset_file(settings.model), options)
+    template = runner.tokenizer.chat_template if runner.tokenizer is not None else None
+    info = {
+        "model": settings.model_name or "default",
+        "checkpoint": settings.model,
+        "device": "cpu",
+        "dtype": None,
+        "source_quant": runner.source_quant,
+        "quant": None,
+        "deterministic": None,
+        **runner.info,
+        "sampling_defaults": runner.spec.sampling_defaults.as_fields(),
+        "tool_format": str(tool_format(template)),
         "host": platform.node(),
     }
     return runner, info, None

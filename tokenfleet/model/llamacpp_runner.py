@@ -1,0 +1,443 @@
+"""`LlamaCppRunner`: the engine's `ModelRunner` on llama.cpp's kernels.
+
+The scheduler, budgets, sampler and everything above them stay tokenfleet's; the
+forward is one `llama_decode` per tick, through llama-cpp-python's low-level
+bindings (its ctypes layer, not its `Llama` class):
+
+    TickPlan entries  ->  one llama_batch: each decode row and prefill chunk, one
+                          llama.cpp sequence id per session, logits flagged only where
+                          a token is sampled (or a prompt logprob is asked)
+    llama_decode      ->  llama.cpp splits the batch into its ubatches and runs them
+    flagged logits    ->  TickSampler.finish: our sampler, masks and logprobs, so
+                          seeds, grammars and penalties behave as on the torch runner
+
+KV. llama.cpp keeps its own cache (one unified buffer of cells, each tagged with the
+sequences that use it), so the scheduler's block tables are not addresses here: the
+runner sizes that cache to hold every token the scheduler's blocks can (its cells are
+the node's KV budget, rounded up by llama.cpp) and tracks how far each sequence's cells
+go. `release` removes a sequence's cells (`llama_memory_seq_rm`). A plan that restarts
+a session at an earlier position (a retry after a failed tick) removes the cells from
+there first. Prefix sharing between sessions is off on this runner
+(`ModelSpec.shares_prefix`): a shared block would have to be cells another sequence
+wrote, which llama.cpp can lend (`llama_memory_seq_cp`) only while that sequence is
+kept, and the scheduler frees cached blocks without telling the runner. Each session
+prefills its own prompt instead (docs/operations.md, "Choosing a runner").
+
+Budgets are what llama.cpp says it allocated (its log lines at load): the model's
+buffers, the KV cells and the compute and output buffers; the fixed ones count as the
+node's weight bytes, so admission stays exact.
+
+AMX. On a CPU with AMX, llama.cpp repacks weights into an AMX buffer ("extra buffer
+types") and, built by gcc 12, the first decode crashes (llama.cpp#20824; the AMX tile
+config is miscompiled: ../shared/FACTS.md). The runner turns that repacking off there
+(`use_extra_bufts = false`: the plain CPU kernels) and says so in `info`.
+
+llama-cpp-python is pinned (`LLAMA_CPP_PYTHON`): from 0.3.17 its bindings expose only
+the `llama_memory_*` KV calls (the `llama_kv_self_*` ones are gone), and the ctypes
+structs this module fills (`llama_batch`, the model and context params) must match the
+library it was built with. It is an optional extra built from source
+(`make llamacpp`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenfleet.errors import ModelLoadError
+from tokenfleet.model.cpu import cpu_flags
+from tokenfleet.model.tick_sampling import Echo, TickSampler
+from tokenfleet.model.tokenizer import Tokenizer
+from tokenfleet.seam import (
+    DecodeStep,
+    ModelSpec,
+    ResolvedSampling,
+    Sampled,
+    SamplingDefaults,
+    TickPlan,
+    TokenMasks,
+)
+
+__all__ = ["LLAMA_CPP_PYTHON", "LlamaCppOptions", "LlamaCppRunner", "LlamaCppUnavailable"]
+
+logger = logging.getLogger(__name__)
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject's `llamacpp` extra)
+INSTALL_HINT = "make llamacpp (builds llama-cpp-python from source, ~15-20 min on 2 cores)"
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
+KV_BYTES = 2  # llama.cpp's default K and V cache type: f16
+MiB = 1024 * 1024
+
+# llama.cpp's log levels (ggml.h) and the allocation lines it logs at load
+_WARN, _ERROR, _CONT = 3, 4, 5
+_BUFFER = re.compile(
+    r"(?P<device>\S+)\s+(?P<kind>model|KV|compute|output) buffer size =\s*(?P<mib>[\d.]+) MiB"
+)
+# llama_decode's return codes (llama.h)
+_DECODE_ERRORS = {
+    1: "no KV slot for the batch",
+    2: "aborted",
+    -1: "invalid input batch",
+}
+
+
+class LlamaCppUnavailable(ModelLoadError):
+    """llama-cpp-python is not installed (or not the pinned version)."""
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions:
+    """What the runner needs from the worker's settings to size llama.cpp's context."""
+
+    kv_budget_bytes: int  # the node's KV budget: llama.cpp gets at least that many cells
+    block_size: int  # the scheduler's KV block (cells are counted in its tokens)
+    max_sequences: int  # sessions at once (the node's max_active): llama.cpp seq ids
+    max_tick_tokens: int  # decode rows + prefill tokens one tick may carry
+    threads: int | None = None  # None: one per core
+    extra_bufts: bool | None = None  # llama.cpp's weight repacking; None: off on AMX CPUs
+
+
+def import_llama_cpp() -> ModuleType:
+    """llama-cpp-python's low-level bindings, or `LlamaCppUnavailable` saying how to get them."""
+    try:
+        import llama_cpp
+        from llama_cpp import llama_cpp as bindings
+    except ImportError as exc:
+        raise LlamaCppUnavailable(
+            f"--runner llamacpp needs llama-cpp-python=={LLAMA_CPP_PYTHON}: {INSTALL_HINT} ({exc})"
+        ) from exc
+    version = getattr(llama_cpp, "__version__", "?")
+    if version != LLAMA_CPP_PYTHON:
+        raise LlamaCppUnavailable(
+            f"--runner llamacpp is written against llama-cpp-python=={LLAMA_CPP_PYTHON} "
+            f"(its ctypes structs must match the library), found {version}: {INSTALL_HINT}"
+        )
+    lib: ModuleType = bindings
+    return lib
+
+
+class _Log:
+    """llama.cpp's log: warnings and errors go to Python's logging, the rest (much) is
+    dropped unless captured (`capture()`: the lines of a load, read for the budget). One
+    per process: llama.cpp has one log callback."""
+
+    _installed: _Log | None = None
+
+    def __init__(self, lib: ModuleType) -> None:
+        self._lock = threading.Lock()
+        self._level = 0
+        self._captured: list[str] | None = None
+        self._callback = lib.llama_log_callback(self._on_line)  # kept: C holds the pointer
+        lib.llama_log_set(self._callback, ctypes.c_void_p(0))
+
+    @classmethod
+    def install(cls, lib: ModuleType) -> _Log:
+        if cls._installed is None:
+            cls._installed = cls(lib)
+        return cls._installed
+
+    def _on_line(self, level: int, text: bytes | None, _: Any) -> None:
+        line = (text or b"").decode("utf-8", "replace")
+        if level != _CONT:
+            self._level = level
+        with self._lock:
+            if self._captured is not None:
+                self._captured.append(line)
+        if self._level >= _WARN and line.strip():
+            logger.log(
+                logging.ERROR if self._level == _ERROR else logging.WARNING,
+                "llama.cpp: %s",
+                line.rstrip(),
+            )
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[str]]:
+        """The lines llama.cpp logs inside the block (one load at a time)."""
+        lines: list[str] = []
+        with self._lock:
+            self._captured = lines
+        try:
+            yield lines
+        finally:
+            with self._lock:
+                self._captured = None
+
+
+def buffer_bytes(lines: list[str]) -> dict[str, int]:
+    """What llama.cpp logged it allocated, by kind (model, KV, compute, output), in bytes
+    (summed over devices; its log rounds each to 0.01 MiB)."""
+    out: dict[str, int] = {}
+    for line in lines:
+        m = _BUFFER.search(line)
+        if m:
+            out[m["kind"]] = out.get(m["kind"], 0) + round(float(m["mib"]) * MiB)
+    return out
+
+
+class LlamaCppRunner:
+    """A GGUF file on llama.cpp, behind `ModelRunner` (see the module docstring)."""
+
+    def __init__(self, path: str | Path, options: LlamaCppOptions) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"--runner llamacpp needs a .gguf file, {self.path} is not one")
+        if not 1 <= options.max_sequences <= MAX_SEQUENCES:
+            raise ModelLoadError(
+                f"llama.cpp runs at most {MAX_SEQUENCES} sequences at once; "
+                f"max_active is {options.max_sequences}"
+            )
+        self.options = options
+        lib = self.lib = import_llama_cpp()
+        lib.llama_backend_init()
+        amx = bool({"amx_int8", "amx_bf16", "amx_tile"} & cpu_flags())
+        extra = options.extra_bufts if options.extra_bufts is not None else not amx
+        threads = options.threads or os.cpu_count() or 1
+        ubatch = min(options.max_tick_tokens, 512)  # llama-server's default ubatch
+        with _Log.install(lib).capture() as lines:
+            params = lib.llama_model_default_params()
+            params.n_gpu_layers = 0
+            params.use_extra_bufts = extra
+            self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+            if not self.model:
+                raise ModelLoadError(f"llama.cpp could not load {self.path} (its log says why)")
+            self._tokenizer, self.source_quant = _read_gguf(self.path)
+            spec = self._read_spec(lib)
+            # the context: enough cells for every token the node's KV budget holds
+            layout = spec.kv_layout(options.block_size)
+            cells = layout.num_blocks_for_budget(options.kv_budget_bytes) * options.block_size
+            cparams = lib.llama_context_default_params()
+            cparams.n_ctx = max(cells, options.block_size)
+            cparams.n_batch = options.max_tick_tokens
+            cparams.n_ubatch = ubatch
+            cparams.n_seq_max = options.max_sequences
+            cparams.n_threads = threads
+            cparams.n_threads_batch = threads
+            cparams.kv_unified = True  # one pool of cells, as the scheduler's one block pool
+            cparams.no_perf = True
+            self.ctx = lib.llama_init_from_model(self.model, cparams)
+            if not self.ctx:
+                raise ModelLoadError(f"llama.cpp could not create a context for {self.path}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.cells = int(lib.llama_n_ctx(self.ctx))
+        self.allocated = buffer_bytes(lines)
+        fixed = sum(v for k, v in self.allocated.items() if k != "KV")
+        self._spec = replace(spec, weight_bytes=fixed or int(lib.llama_model_size(self.model)))
+        self.info: dict[str, Any] = {
+            "runner": "llamacpp",
+            "llama_cpp_python": LLAMA_CPP_PYTHON,
+            "extra_bufts": extra,
+            "extra_bufts_why": (
+                f"set to {extra}"
+                if options.extra_bufts is not None
+                else "off: AMX CPU (its weight repacking crashes here: llama.cpp#20824)"
+                if amx
+                else "on (no AMX)"
+            ),
+            "cells": self.cells,
+            "threads": threads,
+            "ubatch": ubatch,
+            "allocated_mib": {k: round(v / MiB, 2) for k, v in self.allocated.items()},
+        }
+
+        # one llama_batch, filled in place every tick (numpy views of its arrays)
+        cap = options.max_tick_tokens
+        self._token = np.zeros(cap, np.int32)
+        self._pos = np.zeros(cap, np.int32)
+        self._n_seq = np.ones(cap, np.int32)
+        self._seq = np.zeros(cap, np.int32)
+        self._flag = np.zeros(cap, np.int8)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_rows = (i32 * cap)(*(ctypes.cast(base + 4 * i, i32) for i in range(cap)))
+        self._batch = lib.llama_batch(
+            n_tokens=0,
+            token=self._token.ctypes.data_as(i32),
+            embd=None,
+            pos=self._pos.ctypes.data_as(i32),
+            n_seq_id=self._n_seq.ctypes.data_as(i32),
+            seq_id=ctypes.cast(self._seq_rows, ctypes.POINTER(i32)),
+            logits=self._flag.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self._free_ids = list(range(options.max_sequences - 1, -1, -1))
+        self._seq_ids: dict[str, int] = {}  # session -> llama.cpp sequence id
+        self._ends: dict[int, int] = {}  # sequence id -> positions its cells hold
+        self.sampling = TickSampler()
+
+    def _read_spec(self, lib: ModuleType) -> ModelSpec:
+        model = self.model
+        vocab = lib.llama_model_get_vocab(model)
+        n_head = int(lib.llama_model_n_head(model))
+        arch = self._meta(lib, "general.architecture") or "llama"
+        key_length = self._meta(lib, f"{arch}.attention.key_length")
+        head_dim = int(key_length) if key_length else int(lib.llama_model_n_embd(model)) // n_head
+        eos = {int(lib.llama_vocab_eos(vocab)), int(lib.llama_vocab_eot(vocab))}
+        if self._tokenizer is not None:
+            eos |= set(self._tokenizer.eos_token_ids)
+        digest = hashlib.blake2b(digest_size=16)
+        stat = self.path.stat()
+        digest.update(f"llamacpp|{self.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+        return ModelSpec(
+            num_layers=int(lib.llama_model_n_layer(model)),
+            num_kv_heads=int(lib.llama_model_n_head_kv(model)),
+            head_dim=head_dim,
+            kv_dtype_bytes=KV_BYTES,
+            weight_bytes=int(lib.llama_model_size(model)),
+            vocab_size=int(lib.llama_vocab_n_tokens(vocab)),
+            max_context=int(lib.llama_model_n_ctx_train(model)),
+            eos_token_ids=frozenset(t for t in eos if t >= 0),
+            sampling_defaults=SamplingDefaults(),
+            cache_identity=digest.hexdigest(),
+            shares_prefix=False,
+        )
+
+    def _meta(self, lib: ModuleType, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
+
+    # ---- ModelRunner -------------------------------------------------------------
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self._spec
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    def scratch_bytes(self, context_len: int) -> int:
+        # llama.cpp's compute buffers are allocated once (counted in weight_bytes); what
+        # one session adds is its logits row copied out and the sampler's work on it
+        return 3 * 4 * self._spec.vocab_size
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks * block_size > self.cells:
+            raise ValueError(
+                f"{num_blocks} KV blocks of {block_size} tokens do not fit llama.cpp's "
+                f"{self.cells} cells (the runner was sized for a smaller KV budget)"
+            )
+
+    def execute(
+        self,
+        plan: TickPlan,
+        sampling: Mapping[str, ResolvedSampling],
+        masks: TokenMasks | None = None,
+    ) -> list[int] | Sampled:
+        n = plan.num_decode_tokens + plan.num_prefill_tokens
+        if n > len(self._token):
+            raise ValueError(f"a tick of {n} tokens exceeds the runner's {len(self._token)}")
+        states = self.sampling.states(plan, sampling)
+        flagged: list[int] = []  # batch rows whose logits are read, in batch order
+        sample_rows: list[int] = []
+        echoes: list[Echo] = []
+        fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
+        at = 0
+        for entry in plan.entries:
+            sid = self._seq_id(entry.seq.session_id)
+            if isinstance(entry, DecodeStep):
+                ids, start, samples = [entry.token_id], entry.position, True
+            else:
+                ids, start, samples = entry.token_ids, entry.start, entry.samples
+                echo = Echo.of(entry, at)
+                if echo is not None:
+                    echoes.append(echo)
+                    flagged.extend(echo.rows)
+            self._rewind(sid, start)
+            end = at + len(ids)
+            self._token[at:end] = ids
+            self._pos[at:end] = np.arange(start, start + len(ids), dtype=np.int32)
+            self._seq[at:end] = sid
+            if samples:
+                sample_rows.append(end - 1)
+                flagged.append(end - 1)
+            fed.append((sid, start))
+            at = end
+        self._flag[:n] = 0
+        self._flag[flagged] = 1
+        self._batch.n_tokens = n
+        code = int(self.lib.llama_decode(self.ctx, self._batch))
+        if code != 0:
+            for sid, start in fed:  # what a failed tick may have written is not kept
+                self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
+                self._ends[sid] = start
+            reason = _DECODE_ERRORS.get(code, "error")
+            raise RuntimeError(f"llama_decode failed: {code} ({reason})")
+        for entry, (sid, start) in zip(plan.entries, fed, strict=True):
+            self._ends[sid] = start + (1 if isinstance(entry, DecodeStep) else entry.length)
+
+        out_rows = sorted(set(flagged))
+        vocab = self._spec.vocab_size
+        ptr = self.lib.llama_get_logits(self.ctx)
+        every = np.ctypeslib.as_array(ptr, shape=(len(out_rows), vocab))
+        row_of = {row: i for i, row in enumerate(out_rows)}
+        logits = torch.from_numpy(every[[row_of[r] for r in sample_rows]])
+        prompt = None
+        if echoes:
+            prompt = torch.from_numpy(every[[row_of[r] for e in echoes for r in e.rows]])
+        return self.sampling.finish(plan, sampling, masks, states, logits, prompt, echoes)
+
+    def release(self, session_id: str) -> None:
+        self.sampling.release(session_id)
+        sid = self._seq_ids.pop(session_id, None)
+        if sid is None:
+            return
+        self.lib.llama_memory_seq_rm(self.memory, sid, -1, -1)
+        self._ends.pop(sid, None)
+        self._free_ids.append(sid)
+
+    # ---- sequences ---------------------------------------------------------------
+
+    def _seq_id(self, session_id: str) -> int:
+        sid = self._seq_ids.get(session_id)
+        if sid is None:
+            if not self._free_ids:
+                raise RuntimeError(
+                    f"all {self.options.max_sequences} llama.cpp sequences are in use"
+                )
+            sid = self._seq_ids[session_id] = self._free_ids.pop()
+            self._ends[sid] = 0
+        return sid
+
+    def _rewind(self, sid: int, start: int) -> None:
+        """Make the sequence's cells end at `start`, where this tick feeds it from."""
+        end = self._ends[sid]
+        if end > start:
+            self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
+            self._ends[sid] = start
+        elif end < start:
+            raise RuntimeError(
+                f"llama.cpp sequence {sid} holds positions up to {end}, the plan feeds "
+                f"from {start} (a prefix this runner does not have)"
+            )
+
+    def close(self) -> None:
+        """Free llama.cpp's context and model (a worker that exits need not)."""
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+
+def _read_gguf(path: Path) -> tuple[Tokenizer | None, str | None]:
+    """tokenfleet's own tokenizer of the file (the torch runner's, so prompts, chat
+    templates and detokenizing are the same on both runners) and its weights' type."""
+    from tokenfleet.model.gguf import open_gguf, source_quant
+    from tokenfleet.model.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(path)
+    return tokenizer_from_gguf(reader, path), source_quant(reader)
