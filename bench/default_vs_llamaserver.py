@@ -2,6 +2,7 @@
 llama.cpp's `llama-server` on the same SmolLM2-135M-Instruct GGUF, the same 2 threads.
 
 Usage: python bench/default_vs_llamaserver.py [--variants 'default=,int4=--quant int4']
+           (the llama.cpp runner: --variants 'llamacpp=--runner llamacpp' --theirs q4_1)
            [--theirs q4_1,q8_0] [--rounds 3 (--quick: 1)] [--quick] [--llamacpp-bin DIR]
            [--out bench/out/default_vs_llamaserver.json]
            [--plot bench/out/default_vs_llamaserver.png]
@@ -39,6 +40,11 @@ round would time its start-up noise instead. Each run still records the CPU seco
 idle sides used meanwhile (`idle_cpu` in the JSON; /proc counts them in 10 ms ticks), and
 a note is written when they pass 1 % of the run's CPU and 0.05 s.
 
+Before the rounds, each worker's greedy tokens are checked against each llama-server's
+(4 fresh prompts x 64 tokens, one at a time; the server's whole `tokens` list):
+`token_agreement` in the JSON, the same tokens expected of `--runner llamacpp` on the
+same file.
+
 Recorded too: lscpu's model name and SIMD flags, date, git commit, the load around each
 round, and every field of each worker's heartbeat hash (its engine choices: dtype,
 quant, compile ...) after warm-up and at the end. Prints a markdown table (median
@@ -62,7 +68,14 @@ from typing import Any
 
 from _common import MODEL_CONFIGS, Job, Stream, requests
 from _fleet import Fleet, follow
-from _llamacpp import CACHE, Server, find_llamacpp, llamacpp_version, round_up
+from _llamacpp import (
+    CACHE,
+    Server,
+    completion_body,
+    find_llamacpp,
+    llamacpp_version,
+    round_up,
+)
 from _rounds import abba
 from report import (
     Run,
@@ -364,6 +377,18 @@ def render(report: dict[str, Any]) -> list[str]:
             for r in report["rounds"]
         ),
     ]
+    agree = report.get("token_agreement", {})
+    pairs = {k: v for k, v in agree.items() if isinstance(v, dict)}
+    if pairs:
+        lines += [
+            "",
+            f"greedy tokens against llama-server ({agree['jobs']} jobs x {agree['new']}):",
+        ]
+        lines += [
+            f"- {pair}: {v['same']}/{agree['jobs']} the same; first differences "
+            f"{v['first_difference']}"
+            for pair, v in pairs.items()
+        ]
     if report["notes"]:
         lines += ["", "notes:", *(f"- {n}" for n in report["notes"])]
     return lines
@@ -392,6 +417,42 @@ def plot(report: dict[str, Any], path: Path) -> None:
             + (" (quick)" if report["quick"] else ""),
             fontsize=11,
         )
+
+
+def token_agreement(bench: Bench, seed: int, n: int = 4, new: int = 64) -> dict[str, Any]:
+    """Greedy tokens of each worker against each llama-server, `n` jobs of the `one`
+    workload's prompt length (fresh ids), one at a time: how many are the same tokens,
+    and where the others first differ (the server's whole `tokens` list, not its stream)."""
+    prompt_len = len(bench.work.one[0].prompt_ids)
+    jobs = fresh([Job([0] * prompt_len, new)] * n, seed)
+    servers = [s for s in bench.sides if isinstance(s, ServerSide)]
+    theirs = {
+        s.name: [
+            [
+                int(t)
+                for t in s.servers["one"].post("/completion", completion_body(j.prompt_ids, new))[
+                    "tokens"
+                ]
+            ]
+            for j in jobs
+        ]
+        for s in servers
+    }
+    out: dict[str, Any] = {"jobs": n, "new": new, "lines": []}
+    for w in (s for s in bench.sides if isinstance(s, WorkerSide)):
+        ours = [w.burst("one", [j], f"agree-{seed}-{i}")[0].tokens for i, j in enumerate(jobs)]
+        for name, want in theirs.items():
+            firsts = [
+                next((k for k, (a, b) in enumerate(zip(o, t, strict=False)) if a != b), None)
+                for o, t in zip(ours, want, strict=True)
+            ]
+            same = sum(o == t for o, t in zip(ours, want, strict=True))
+            out[f"{w.name} vs {name}"] = {"same": same, "first_difference": firsts}
+            out["lines"].append(
+                f"greedy tokens, {w.name} vs {name}: {same}/{n} jobs the same "
+                f"(first differences at {firsts})"
+            )
+    return out
 
 
 def main() -> None:
@@ -446,6 +507,9 @@ def main() -> None:
                 bench.sides.append(server)
                 log(f"{server.name}: up ({path.name}); warming up")
                 bench.warm_up(server)
+            agreement = token_agreement(bench, seed=4242)
+            for line in agreement.pop("lines"):
+                log(line)
             bench.run_rounds(rounds)
             for side in bench.sides:
                 if isinstance(side, ServerSide) and side.held_back:
@@ -481,6 +545,7 @@ def main() -> None:
             "files": {n: {"path": str(f), "bytes": f.stat().st_size} for n, f in files.items()},
         },
         rounds=bench.rounds,
+        token_agreement=agreement,
         idle_cpu=bench.idle_cpu,
         measurements=bench.results,
         summary=summary,

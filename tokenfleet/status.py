@@ -194,7 +194,10 @@ def render_status(status: dict[str, Any]) -> Group:
 
 def engine_summary(worker: Mapping[str, Any]) -> str:
     """How a worker runs its model, short: dtype, the narrow format and its rows (a
-    default start's plan), quant, compiled, deterministic."""
+    default start's plan), quant, compiled, deterministic; on llama.cpp, the file's type."""
+    if worker.get("runner") == "llamacpp":
+        repack = "" if worker.get("extra_bufts", True) else " no-repack"
+        return f"llama.cpp {worker.get('source_quant') or '?'}{repack}"
     parts = [str(worker.get("dtype") or "?")]
     plan = worker.get("engine")
     if isinstance(plan, dict) and plan.get("narrow"):

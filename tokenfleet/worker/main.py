@@ -210,6 +210,11 @@ def _llamacpp_runner(
         threads=settings.threads,
     )
     runner = LlamaCppRunner(preset_file(settings.model), options)
+    # torch only samples here (a few rows a tick): one thread, so that no OpenMP pool
+    # spins beside llama.cpp's own threads between ticks
+    import torch
+
+    torch.set_num_threads(1)
     template = runner.tokenizer.chat_template if runner.tokenizer is not None else None
     info = {
         "model": settings.model_name or "default",

@@ -1,0 +1,113 @@
+"""What one unified pool of KV cells costs llama.cpp's decode against a stream per sequence.
+
+Usage: python bench/llamacpp_kv_streams.py [--rounds 3] [--out bench/out/llamacpp_kv_streams.json]
+
+The llama.cpp runner (`--runner llamacpp`) gives llama.cpp one pool of cells for every
+session (`kv_unified`), as the scheduler has one pool of blocks; llama-server gives each
+slot a stream of its own (`kv_unified = false` with `-np N` here). With one pool, every
+row's attention walks all the sessions' cells (the others' masked). This times it
+directly on llama-cpp-python's low-level API, SmolLM2-135M-Instruct Q4_1, 2 threads:
+8 sequences x 32 prompt tokens, then 96 decode ticks of 8 rows, in three contexts per
+round (interleaved): unified with the runner's default budget (11,648 cells, 256 MiB),
+unified with 2,048 cells, and 8 streams of 256 cells. Prints ms per 8-row tick (median,
+min, max over rounds), writes the JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from llama_cpp import llama_cpp as lib
+
+from tokenfleet.model.smollm2 import require_smollm2_gguf
+
+CONTEXTS = {  # label: (kv_unified, cells)
+    "unified, 11648 cells": (True, 11648),
+    "unified, 2048 cells": (True, 2048),
+    "8 streams x 256 cells": (False, 8 * 256),
+}
+SEQS, PROMPT, TICKS = 8, 32, 96
+
+
+def tick_ms(model: Any, unified: bool, cells: int) -> float:
+    cp = lib.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = cells, 512, 512, SEQS
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.kv_unified, cp.no_perf = unified, True
+    ctx = lib.llama_init_from_model(model, cp)
+    batch = lib.llama_batch_init(512, 0, 1)
+    rng = random.Random(1)
+
+    def decode(rows: list[tuple[int, int, int, int]]) -> None:
+        batch.n_tokens = len(rows)
+        for i, (token, pos, seq, logits) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        if lib.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    try:
+        decode(
+            [
+                (rng.randrange(100, 40000), p, s, int(p == PROMPT - 1))
+                for s in range(SEQS)
+                for p in range(PROMPT)
+            ]
+        )
+        start = time.perf_counter()
+        for k in range(TICKS):
+            decode([(rng.randrange(100, 40000), PROMPT + k, s, 1) for s in range(SEQS)])
+        return 1000 * (time.perf_counter() - start) / TICKS
+    finally:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="bench/out/llamacpp_kv_streams.json")
+    args = p.parse_args()
+    lib.llama_backend_init()
+    quiet = lib.llama_log_callback(lambda *_: None)  # kept referenced: C holds it
+    lib.llama_log_set(quiet, ctypes.c_void_p(0))
+    model = lib.llama_model_load_from_file(
+        str(require_smollm2_gguf()).encode(), lib.llama_model_default_params()
+    )
+    runs: dict[str, list[float]] = {label: [] for label in CONTEXTS}
+    for rnd in range(args.rounds):
+        for label, (unified, cells) in CONTEXTS.items():
+            runs[label].append(tick_ms(model, unified, cells))
+            print(f"round {rnd + 1}: {label}: {runs[label][-1]:.1f} ms per 8-row tick")
+    summary = {
+        label: {"median": statistics.median(v), "min": min(v), "max": max(v)}
+        for label, v in runs.items()
+    }
+    for label, s in summary.items():
+        print(f"{label}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"runs": runs, "summary": summary}, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.bar(list(summary), [s["median"] for s in summary.values()])
+    ax.set_ylabel("ms per 8-row decode tick")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
