@@ -18,6 +18,7 @@ tests/test_llamacpp_fleet.py.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -117,30 +118,36 @@ def jobs(runner: LlamaCppRunner, new: int = 24) -> list[GenerationRequest]:
     return out
 
 
+def llama_cpp_alone(path: Path, requests: list[GenerationRequest], n: int) -> dict[str, list[int]]:
+    """Each job's first `n` greedy tokens from llama-cpp-python's `Llama.generate`, one
+    job at a time. Flash attention on, as llama-server's default (`-fa auto`) and the
+    runner's have it on this CPU; without it the attention rounds otherwise (a close
+    first token of SmolLM2's job-1 flips: -1.562 vs -1.582 with it)."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
+    out: dict[str, list[int]] = {}
+    try:
+        for r in requests:
+            out[r.job_id] = []
+            for token in llm.generate(r.prompt_ids or [], temp=0.0, reset=True):
+                out[r.job_id].append(token)
+                if len(out[r.job_id]) == n:
+                    break
+    finally:
+        llm.close()
+    return out
+
+
 def test_greedy_tokens_are_llama_cpps_own(runner: LlamaCppRunner) -> None:
     """Four chat prompts, one at a time, fed 16 tokens a tick: each job's 32 greedy
     tokens equal llama-cpp-python's `Llama.generate` (greedy, the whole prompt in one
     batch) on the file: the scheduler's chunked prefill changes no bit."""
-    from llama_cpp import Llama
-
     requests = jobs(runner, new=32)[:4]
     ours = serve(runner, requests, concurrency=1, prefill_tokens=16)
     assert ours == serve(runner, requests, concurrency=1, prefill_tokens=256)
     assert SMOLLM2 is not None
-    # flash attention as llama-server's default (`-fa auto`) and the runner's have it on
-    # this CPU; without it the attention rounds otherwise (a close first token of job-1
-    # flips: -1.562 vs -1.582 with it)
-    llm = Llama(str(SMOLLM2), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
-    try:
-        for r in requests:
-            want: list[int] = []
-            for token in llm.generate(r.prompt_ids or [], temp=0.0, reset=True):
-                want.append(token)
-                if len(want) == 32:
-                    break
-            assert ours[r.job_id] == want, r.job_id
-    finally:
-        llm.close()
+    assert ours == llama_cpp_alone(SMOLLM2, requests, 32)
     text = runner.tokenizer.decode(ours["job-0"]) if runner.tokenizer else ""
     assert sum(ch.isalpha() for ch in text) > 20, text  # English, not noise
 
@@ -371,8 +378,6 @@ def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
     tokens a tick, give llama.cpp's own greedy tokens, and the worker's budget holds
     every KV byte it allocated (llama.cpp keeps full-size sliding-window caches when it
     serves several sequences: its log says so)."""
-    from llama_cpp import Llama
-
     from tokenfleet.model.gemma3 import require_gemma3_gguf
 
     path = require_gemma3_gguf()
@@ -402,15 +407,5 @@ def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
         assert gemma.allocated["KV"] <= gemma.cells * per_token
     finally:
         gemma.close()
-    llm = Llama(str(path), n_ctx=512, n_threads=2, flash_attn=True, verbose=False)
-    try:
-        for r in requests:
-            want: list[int] = []
-            for token in llm.generate(r.prompt_ids or [], temp=0.0, reset=True):
-                want.append(token)
-                if len(want) == 16:
-                    break
-            assert ours[r.job_id] == want, r.job_id
-    finally:
-        llm.close()
+    assert ours == llama_cpp_alone(path, requests, 16)
     assert "France" in (tok.decode(ours["g0"]) if tok else "")  # a base model's English
