@@ -203,7 +203,7 @@ def test_the_sim_worker_path_imports_no_torch() -> None:
 
 def test_the_runner_setting_is_validated() -> None:
     assert WorkerSettings().runner == "torch"
-    with pytest.raises(ValueError, match="runner must be one of torch, sim"):
+    with pytest.raises(ValueError, match="runner must be one of torch, llamacpp, sim"):
         WorkerSettings(runner="gpu")
 
 
