@@ -170,6 +170,9 @@ class Stream:
     cached_tokens: int | None = None  # prompt tokens the system took from its cache
     stop_type: str = ""
     eog: list[int] = field(default_factory=list)  # llama-server: tokens ignore_eos masked
+    # llama-server: tokens its SSE chunks left out (parts of a character not yet whole),
+    # counted from its final `timings.predicted_n` as placeholders -1 at the last chunk
+    held_back: int = 0
 
     def add(self, tokens: Iterable[int], now: float) -> None:
         """Tokens that arrived at `now`."""

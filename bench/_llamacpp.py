@@ -186,7 +186,14 @@ class Server:
                 out.add(chunk.get("tokens") or [], time.perf_counter())
                 out.prompt_tokens = int(chunk.get("tokens_evaluated", out.prompt_tokens))
                 if "timings" in chunk:  # the final chunk: how much of the prompt was cached
-                    out.cached_tokens = int(chunk["timings"].get("cache_n", 0))
+                    timings = chunk["timings"]
+                    out.cached_tokens = int(timings.get("cache_n", 0))
+                    # and how many it generated: its chunks leave out the tokens of a
+                    # character not yet whole (byte tokens), so count from here
+                    missing = int(timings.get("predicted_n", 0)) - len(out.tokens)
+                    if missing > 0:
+                        out.held_back = missing
+                        out.add([-1] * missing, time.perf_counter())
                 if chunk.get("stop"):
                     out.stop_type = str(chunk.get("stop_type", ""))
                     settings = chunk.get("generation_settings", {})

@@ -15,8 +15,8 @@ of bench/vs_llamacpp.py (its `Settings` and `Workloads`, full size unless --quic
   mixed  vs_llamacpp's 16 mixed jobs at once (prompts 8-64, new 16-96): useful tok/s,
          TTFT p50 / p99 from the common submit time.
 Both sides get the very same prompt token ids (llama-server's SSE chunks leave out
-tokens of a not yet complete character, so its streams that stop at n_predict are
-counted as n_predict tokens; a note says how many were left out). Every (round,
+tokens of a not yet complete character: its streams are counted from its final
+`timings.predicted_n`; a note says how many were left out). Every (round,
 workload) draws fresh ids (same lengths as vs_llamacpp's jobs): the worker's prefix
 cache, on by default, would otherwise serve repeated prompts from its cache
 (llama-server runs with `cache_prompt: false`); the cached tokens the worker reports
@@ -193,14 +193,10 @@ class ServerSide:
 
     def burst(self, scenario: str, jobs: Sequence[Job], tag: str) -> list[Stream]:
         """The server's streams. Its SSE chunks leave out the tokens of a character not
-        yet complete (byte tokens; seen with random prompts), so a stream that stopped at
-        its limit (n_predict reached) is counted as n_predict tokens (placeholders -1)."""
+        yet complete (byte tokens; seen with random prompts): `Server.stream` counts them
+        from the server's final `predicted_n` (placeholders -1), and this adds them up."""
         streams = self.servers[scenario].burst(jobs)
-        for job, s in zip(jobs, streams, strict=True):
-            missing = job.max_new - len(s.tokens)
-            if s.stop_type == "limit" and missing > 0:
-                s.tokens += [-1] * missing
-                self.held_back += missing
+        self.held_back += sum(s.held_back for s in streams)
         return streams
 
     def cpu_seconds(self) -> float:

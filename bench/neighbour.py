@@ -1,7 +1,8 @@
 """Speed that survives a neighbour: the engine's decode throughput alone on the cores and
 beside one CPU-bound process, per thread setting.
 
-Usage: python bench/neighbour.py [--rounds 3] [--out bench/out/neighbour.json]
+Usage: python bench/neighbour.py [--rounds 3] [--settings 'NAME|NAME']
+           [--out bench/out/neighbour.json]
 
 Each measurement is a fresh child process (thread and OpenMP settings apply at start)
 that loads SmolLM2-135M-Instruct (dtype auto), decodes 8 streams x 64 tokens through
@@ -33,6 +34,21 @@ SETTINGS: dict[str, dict[str, str]] = {
     # what `tokenfleet worker` does unless --threads is given: start at one thread per
     # core and follow the cores other processes leave free (worker/threads.py)
     "2 threads, governed (worker default)": {"OMP_NUM_THREADS": "2", "BENCH_GOVERNOR": "1"},
+    # the same on `--runner llamacpp` (SmolLM2's GGUF on llama.cpp's kernels; torch samples
+    # on one thread): its own threads fixed at 2, or governed as the worker does
+    # (256 tokens a stream: llama.cpp decodes faster, and a run must outlast the
+    # governor's 2 s window to show what it does)
+    "llama.cpp, 2 threads": {"BENCH_RUNNER": "llamacpp", "BENCH_TOKENS": "256"},
+    "llama.cpp, 1 thread": {
+        "BENCH_RUNNER": "llamacpp",
+        "BENCH_THREADS": "1",
+        "BENCH_TOKENS": "256",
+    },
+    "llama.cpp, 2 threads, governed (worker default)": {
+        "BENCH_RUNNER": "llamacpp",
+        "BENCH_GOVERNOR": "1",
+        "BENCH_TOKENS": "256",
+    },
 }
 
 CHILD = r"""
@@ -41,15 +57,28 @@ from tokenfleet.model import load_model
 from tokenfleet.worker.threads import ThreadGovernor
 from tokenfleet.protocol import GenerationRequest
 from tokenfleet.worker.engine import Engine, EngineConfig
-loaded = load_model("smollm2-135m-instruct", dtype="auto", device="cpu")
 governor = None
-if os.environ.get("BENCH_GOVERNOR"):
-    governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
+if os.environ.get("BENCH_RUNNER") == "llamacpp":
+    from tokenfleet.model.llamacpp_runner import LlamaCppOptions, LlamaCppRunner
+    from tokenfleet.model.smollm2 import smollm2_gguf_path
+    torch.set_num_threads(1)
+    loaded = LlamaCppRunner(smollm2_gguf_path(), LlamaCppOptions(
+        kv_budget_bytes=256 * 2**20, block_size=16, max_sequences=8, max_tick_tokens=8 + 512,
+        threads=int(os.environ.get("BENCH_THREADS", "2"))))
+    if os.environ.get("BENCH_GOVERNOR"):
+        governor = ThreadGovernor.for_this_process(lambda: loaded.threads, loaded.set_threads)
+    threads = lambda: loaded.threads
+else:
+    loaded = load_model("smollm2-135m-instruct", dtype="auto", device="cpu")
+    if os.environ.get("BENCH_GOVERNOR"):
+        governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
+    threads = torch.get_num_threads
 def run():
     eng = Engine(loaded, EngineConfig(kv_budget_bytes=256 * 2**20), threads=governor)
     for i in range(8):
         eng.submit(GenerationRequest(job_id=f"j{i}", prompt_ids=[1 + i, 20, 30, 40] * 8,
-                                     max_new_tokens=64, ignore_eos=True))
+                                     max_new_tokens=int(os.environ.get("BENCH_TOKENS", "64")),
+                                     ignore_eos=True))
     t, n = time.perf_counter(), 0
     while eng.has_work:
         n += len(eng.step().tokens)
@@ -57,7 +86,7 @@ def run():
 run()  # warm-up
 tok_s = run()
 info = governor.telemetry() if governor is not None else {}
-print(json.dumps({"tok_s": tok_s, "threads": torch.get_num_threads(), "governor": info}))
+print(json.dumps({"tok_s": tok_s, "threads": threads(), "governor": info}))
 """
 
 SPIN = "while True: pass"

@@ -26,7 +26,7 @@ import openai
 import pytest
 import redis
 
-from tests.helpers.gateway import GatewayEnv, ServedGateway, gateway_env, jsonl
+from tests.helpers.gateway import GatewayEnv, ServedGateway, gateway_env, run_batch
 from tests.helpers.support import KEYS, wait_for
 from tests.helpers.workers import Fleet
 from tokenfleet.gateway import GatewayConfig
@@ -362,21 +362,9 @@ def test_a_batch_of_forced_calls_returns_valid_calls(env: Env) -> None:
         }
         for i in range(4)
     ]
-    upload = client.files.create(file=("tools.jsonl", jsonl(lines)), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    seen: list[Any] = []
-
-    def ended() -> bool:
-        seen.append(client.batches.retrieve(batch.id))
-        return seen[-1].status in ("completed", "failed", "expired", "cancelled")
-
-    wait_for(ended, 180, f"batch {batch.id} to end")
-    done = seen[-1]
+    done, out = run_batch(client, lines)
     assert done.status == "completed", done.errors
     assert done.request_counts.completed == 4 and done.output_file_id
-    out = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
     assert [line["custom_id"] for line in out] == [f"call-{i}" for i in range(4)]
     for i, line in enumerate(out):
         assert line["error"] is None and line["response"]["status_code"] == 200

@@ -36,7 +36,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers.gateway import GatewayEnv, gateway_env, jsonl, worker_info
+from tests.helpers.gateway import GatewayEnv, gateway_env, run_batch, worker_info
 from tests.helpers.support import run_cli, wait_for
 from tests.helpers.workers import Fleet
 from tokenfleet.local import RedisServer
@@ -393,23 +393,10 @@ def test_a_batch_through_the_gateway_is_answered_line_by_line(env: Env) -> None:
         }
         for i, text in enumerate(questions)
     ]
-    upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    seen: list[Any] = []
-
-    def finished() -> bool:
-        seen.append(client.batches.retrieve(batch.id))
-        return seen[-1].status in {"completed", "failed", "expired", "cancelled"}
-
-    wait_for(finished, 180, f"batch {batch.id} to finish")
-    done = seen[-1]
+    done, out = run_batch(client, lines)
     assert done.status == "completed", done.errors
     counts = done.request_counts
     assert counts is not None and (counts.total, counts.completed, counts.failed) == (3, 3, 0)
-    assert done.output_file_id
-    out = [json.loads(line) for line in client.files.content(done.output_file_id).text.splitlines()]
     assert [line["custom_id"] for line in out] == ["q0", "q1", "q2"]
     for line, asked in zip(out, lines, strict=True):
         assert line["error"] is None and line["response"]["status_code"] == 200, line

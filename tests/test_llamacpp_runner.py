@@ -17,6 +17,7 @@ tests/test_llamacpp_fleet.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,9 @@ import pytest
 pytest.importorskip("llama_cpp", reason="the llamacpp extra is not installed (make test does)")
 
 from tests.helpers.engine_runs import run_all
+from tests.helpers.support import wait_for
+from tests.test_threads import _quiet_pair, _spin_on, _stop
+from tokenfleet.config import WorkerSettings
 from tokenfleet.model.chat import render_chat
 from tokenfleet.model.llamacpp_runner import (
     LlamaCppOptions,
@@ -43,6 +47,8 @@ from tokenfleet.seam import (
     TickPlan,
 )
 from tokenfleet.worker.engine import Engine, EngineConfig
+from tokenfleet.worker.main import _llamacpp_runner, engine_config
+from tokenfleet.worker.threads import ThreadGovernor
 
 SMOLLM2 = smollm2_gguf_path()
 pytestmark = pytest.mark.skipif(
@@ -231,6 +237,45 @@ def test_a_batch_mixes_no_session_into_another(runner: LlamaCppRunner) -> None:
             gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
             mean = sum(gaps) / len(gaps)
             assert mean < 0.2 and max(gaps) < 1.0, (concurrency, r.job_id, mean, max(gaps))
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to share",
+)
+def test_a_neighbour_takes_a_llama_cpp_thread_and_gives_it_back(runner: LlamaCppRunner) -> None:
+    """llama.cpp's threads wait for each other at every op, as torch's do, so a worker
+    whose --threads is not pinned governs them (worker/threads.py): a process spinning
+    on one of two CPUs takes a thread (llama.cpp then computes on one), the answers stay
+    llama.cpp's own, and killing the neighbour gives the thread back."""
+    assert SMOLLM2 is not None
+    pinned = WorkerSettings(runner="llamacpp", model=str(SMOLLM2), threads=1, kv_mb=8)
+    assert _llamacpp_runner(pinned, engine_config(pinned))[2] is None
+    free = WorkerSettings(runner="llamacpp", model=str(SMOLLM2), kv_mb=8)
+    other, _, governor = _llamacpp_runner(free, engine_config(free))
+    try:
+        assert governor is not None and governor.threads == other.threads >= 2
+    finally:
+        other.close()
+
+    requests = jobs(runner, new=16)[:2]  # greedy
+    before = serve(runner, requests, concurrency=1)
+    cpus = _quiet_pair()
+    assert runner.threads == 2
+    gov = ThreadGovernor(runner.set_threads, 2, cpus=frozenset(cpus), window_s=0.5)
+
+    def threads_become(n: int) -> None:
+        wait_for(lambda: gov.poll() or gov.threads == n, 30, f"{n} thread(s)")
+
+    neighbour = _spin_on(cpus[0])
+    try:
+        threads_become(1)
+        assert runner.threads == 1
+        assert serve(runner, requests, concurrency=1) == before
+    finally:
+        _stop(neighbour)
+    threads_become(2)
+    assert runner.threads == 2
 
 
 def test_prefix_sharing_is_off_and_says_so(runner: LlamaCppRunner) -> None:

@@ -90,6 +90,33 @@ def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(line) + "\n" for line in lines).encode()
 
 
+BATCH_ENDED = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+def run_batch(
+    client: openai.OpenAI, lines: Sequence[dict[str, Any]], timeout: float = 180
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Upload `lines` as a batch input file, create a chat-completions batch of it and
+    wait for it to end: the ended batch, and its output file's lines (none if it has
+    no output file)."""
+    upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    seen: list[Any] = []
+
+    def ended() -> bool:
+        seen.append(client.batches.retrieve(batch.id))
+        return seen[-1].status in BATCH_ENDED
+
+    wait_for(ended, timeout, f"batch {batch.id} to end")
+    done = seen[-1]
+    if not done.output_file_id:
+        return done, []
+    text = client.files.content(done.output_file_id).text
+    return done, [json.loads(line) for line in text.splitlines()]
+
+
 # ---- a module's fleet -------------------------------------------------------------------
 
 

@@ -180,7 +180,10 @@ class WorkerSettings(Settings):
     threads: Annotated[
         int | None,
         Flag("--threads"),
-        Field(description="torch CPU threads, kept; none: fitted to the cores left free"),
+        Field(
+            description="CPU threads (torch's, or llama.cpp's on --runner llamacpp), kept; "
+            "none: fitted to the cores left free"
+        ),
     ] = None
     metrics_port: Annotated[
         int | None, Flag("--metrics-port"), Field(description="serve Prometheus metrics here")

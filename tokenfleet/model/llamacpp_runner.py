@@ -378,6 +378,8 @@ class LlamaCppRunner:
         for entry, (sid, start) in zip(plan.entries, fed, strict=True):
             self._ends[sid] = start + (1 if isinstance(entry, DecodeStep) else entry.length)
 
+        if not flagged:  # prefill chunks that neither sample nor echo: nothing to read
+            return []
         out_rows = sorted(set(flagged))
         vocab = self._spec.vocab_size
         ptr = self.lib.llama_get_logits(self.ctx)
@@ -388,6 +390,16 @@ class LlamaCppRunner:
         if echoes:
             prompt = torch.from_numpy(every[[row_of[r] for e in echoes for r in e.rows]])
         return self.sampling.finish(plan, sampling, masks, states, logits, prompt, echoes)
+
+    @property
+    def threads(self) -> int:
+        """The threads llama.cpp computes a tick on."""
+        return int(self.lib.llama_n_threads(self.ctx))
+
+    def set_threads(self, n: int) -> None:
+        """Compute the next ticks on `n` threads (the worker's thread governor calls this
+        between ticks when a neighbour takes cores, or leaves them)."""
+        self.lib.llama_set_n_threads(self.ctx, n, n)
 
     def release(self, session_id: str) -> None:
         self.sampling.release(session_id)

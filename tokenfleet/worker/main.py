@@ -98,6 +98,9 @@ def build_worker(settings: WorkerSettings) -> Worker:
     the cores other processes leave free (`worker.threads.ThreadGovernor`).
     `settings.compile` unset compiles quantized weights only (measured faster there).
 
+    `settings.runner == "llamacpp"` serves a GGUF file on llama.cpp's kernels
+    (`LlamaCppRunner`, sized to the node's KV budget and batch); the governor then fits
+    llama.cpp's threads, and torch only samples, on one thread.
     `settings.runner == "sim"` builds a `SimRunner` paced by `sim_tok_s` and
     `sim_tick_ms` instead: no model, no torch, no thread governor, no compile.
 
@@ -181,9 +184,10 @@ def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], No
 
 def _llamacpp_runner(
     settings: WorkerSettings, engine: EngineConfig
-) -> tuple[ModelRunner, dict[str, Any], None]:
-    """The model on llama.cpp, sized to the node's budget, and what the heartbeat says
-    about it. llama.cpp keeps its own threads: no thread governor."""
+) -> tuple[ModelRunner, dict[str, Any], ThreadGovernor | None]:
+    """The model on llama.cpp, sized to the node's budget, what the heartbeat says about
+    it, and a thread governor over llama.cpp's threads unless `settings.threads` pins
+    them (its threads wait for each other at every op, as torch's do: worker/threads.py)."""
     from tokenfleet.model.llamacpp_runner import LlamaCppOptions, LlamaCppRunner
     from tokenfleet.model.loader import preset_file
 
@@ -229,7 +233,10 @@ def _llamacpp_runner(
         "tool_format": str(tool_format(template)),
         "host": platform.node(),
     }
-    return runner, info, None
+    governor = None
+    if not settings.threads:
+        governor = ThreadGovernor.for_this_process(lambda: runner.threads, runner.set_threads)
+    return runner, info, governor
 
 
 def _heartbeat_info(
