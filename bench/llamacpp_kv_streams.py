@@ -7,9 +7,11 @@ session (`kv_unified`), as the scheduler has one pool of blocks; llama-server gi
 slot a stream of its own (`kv_unified = false` with `-np N` here). With one pool, every
 row's attention walks all the sessions' cells (the others' masked). This times it
 directly on llama-cpp-python's low-level API, SmolLM2-135M-Instruct Q4_1, 2 threads:
-8 sequences x 32 prompt tokens, then 96 decode ticks of 8 rows, in three contexts per
+8 sequences x 32 prompt tokens, then 96 decode ticks of 8 rows, in four contexts per
 round (interleaved): unified with the runner's default budget (11,648 cells, 256 MiB),
-unified with 2,048 cells, and 8 streams of 256 cells. Prints ms per 8-row tick (median,
+unified with 2,048 cells, 8 streams of 256 cells, and unified with 9,216 of the 11,648
+cells held by 18 other sequences (what finished sequences kept for their cached
+prefixes would hold). Prints ms per 8-row tick (median,
 min, max over rounds), writes the JSON and a PNG.
 """
 
@@ -28,17 +30,22 @@ from llama_cpp import llama_cpp as lib
 
 from tokenfleet.model.smollm2 import require_smollm2_gguf
 
-CONTEXTS = {  # label: (kv_unified, cells)
-    "unified, 11648 cells": (True, 11648),
-    "unified, 2048 cells": (True, 2048),
-    "8 streams x 256 cells": (False, 8 * 256),
+CONTEXTS = {  # label: (kv_unified, cells, cells other sequences hold meanwhile)
+    "unified, 11648 cells": (True, 11648, 0),
+    "unified, 2048 cells": (True, 2048, 0),
+    "8 streams x 256 cells": (False, 8 * 256, 0),
+    # the pool mostly held by finished sequences kept for their cached prefixes (the
+    # runner's prefix sharing): every row's attention walks the range they occupy
+    "unified, 11648 cells, 9216 kept": (True, 11648, 9216),
 }
 SEQS, PROMPT, TICKS = 8, 32, 96
+KEPT_SEQ = 512  # tokens of each kept sequence (ids from SEQS up)
 
 
-def tick_ms(model: Any, unified: bool, cells: int) -> float:
+def tick_ms(model: Any, unified: bool, cells: int, kept: int = 0) -> float:
     cp = lib.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = cells, 512, 512, SEQS
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = cells, 512, 512
+    cp.n_seq_max = SEQS + kept // KEPT_SEQ  # llama_decode takes ids below it
     cp.n_threads = cp.n_threads_batch = 2
     cp.kv_unified, cp.no_perf = unified, True
     ctx = lib.llama_init_from_model(model, cp)
@@ -54,6 +61,8 @@ def tick_ms(model: Any, unified: bool, cells: int) -> float:
             raise RuntimeError("llama_decode failed")
 
     try:
+        for k in range(kept // KEPT_SEQ):  # first, so that they take the low cells
+            decode([(rng.randrange(100, 40000), p, SEQS + k, 0) for p in range(KEPT_SEQ)])
         decode(
             [
                 (rng.randrange(100, 40000), p, s, int(p == PROMPT - 1))
@@ -83,8 +92,8 @@ def main() -> None:
     )
     runs: dict[str, list[float]] = {label: [] for label in CONTEXTS}
     for rnd in range(args.rounds):
-        for label, (unified, cells) in CONTEXTS.items():
-            runs[label].append(tick_ms(model, unified, cells))
+        for label, (unified, cells, kept) in CONTEXTS.items():
+            runs[label].append(tick_ms(model, unified, cells, kept))
             print(f"round {rnd + 1}: {label}: {runs[label][-1]:.1f} ms per 8-row tick")
     summary = {
         label: {"median": statistics.median(v), "min": min(v), "max": max(v)}

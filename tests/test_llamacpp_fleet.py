@@ -241,7 +241,9 @@ def test_the_worker_hash_says_what_it_runs_and_what_llama_cpp_allocated(
         # what llama.cpp allocated besides the KV cells counts as the node's weights
         fixed = sum(mib for kind, mib in allocated.items() if kind != "KV")
         assert abs(info["weight_bytes"] / MiB - fixed) <= 0.01 * len(allocated), info
-        assert info["prefix_cache"] is False  # off on this runner (ModelSpec.shares_prefix)
+        # prefix sharing: llama.cpp lends cached blocks' cells between sequences
+        assert info["prefix_cache"] is True
+        assert info["prefix_sharing"] == "on (cells lent between sequences)"
 
         # and it serves: one job, answered by it
         producer = Producer.from_url(own_redis.url)

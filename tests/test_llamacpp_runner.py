@@ -36,8 +36,8 @@ from tokenfleet.model.llamacpp_runner import (
     buffer_bytes,
 )
 from tokenfleet.model.smollm2 import smollm2_gguf_path
-from tokenfleet.protocol import GenerationRequest, SamplingParams
-from tokenfleet.reasons import AdmissionReason
+from tokenfleet.protocol import GenerationRequest, JobResult, SamplingParams
+from tokenfleet.reasons import AdmissionReason, FinishReason
 from tokenfleet.seam import (
     DecodeStep,
     PrefillChunk,
@@ -159,9 +159,13 @@ def test_greedy_tokens_are_llama_cpps_own(runner: LlamaCppRunner) -> None:
 
 
 def served_with_logprobs(
-    runner: LlamaCppRunner, requests: list[GenerationRequest], concurrency: int
+    runner: LlamaCppRunner,
+    requests: list[GenerationRequest],
+    concurrency: int,
+    cached: dict[str, int] | None = None,
 ) -> dict[str, list[tuple[int, float]]]:
-    """Each job's (token, its logprob as the batched run computed it)."""
+    """Each job's (token, its logprob as the batched run computed it); `cached` gets
+    each job's prompt tokens the prefix cache supplied."""
     asking = [
         r.model_copy(update={"sampling": r.sampling.model_copy(update={"logprobs": 0})})
         for r in requests
@@ -179,14 +183,17 @@ def served_with_logprobs(
     for _ in range(10_000):
         if not engine.has_work:
             break
-        for event in engine.step().tokens:
+        step = engine.step()
+        for event in step.tokens:
             assert event.logprobs is not None
             out[event.job_id].append((event.token_id, event.logprobs.logprob))
+        if cached is not None:
+            cached.update({f.job_id: f.result.usage.cached_tokens for f in step.finished})
     return out
 
 
 def teacher_forced(
-    runner: LlamaCppRunner, request: GenerationRequest, tokens: list[int]
+    runner: LlamaCppRunner, request: GenerationRequest, tokens: list[int], kv: int = KV
 ) -> list[float]:
     """The logprob of each of `tokens` after the prompt and the ones before it, the job
     alone on the runner (one prefill of prompt + tokens, its prompt logprobs)."""
@@ -197,7 +204,13 @@ def teacher_forced(
         max_new_tokens=1,
         sampling=SamplingParams(temperature=0.0, prompt_logprobs=0),
     )
-    engine = Engine(runner, EngineConfig(kv_budget_bytes=KV, max_active=1))
+    config = EngineConfig(
+        kv_budget_bytes=kv,
+        max_active=1,
+        max_batch_size=1,
+        max_prefill_tokens_per_tick=runner.options.max_tick_tokens - 1,
+    )
+    engine = Engine(runner, config)
     assert engine.submit(scoring).accepted
     echo = None
     for _ in range(1000):
@@ -206,6 +219,8 @@ def teacher_forced(
         out = engine.step()
         for event in out.tokens:
             echo = event.prompt or echo
+        for done in out.finished:  # ended at its first token (a stop): the echo is here
+            echo = echo or done.result.prompt
     assert echo is not None
     return [lp.logprob for lp in echo.logprobs][len(prompt) - 1 :]
 
@@ -229,14 +244,26 @@ def test_a_batch_mixes_no_session_into_another(runner: LlamaCppRunner) -> None:
     assert len({tuple(t) for t in alone.values()}) >= 5  # seeded copies differ from greedy
     for concurrency in (2, 8):
         batched = served_with_logprobs(runner, requests, concurrency)
-        for r in requests:
-            tokens = [t for t, _ in batched[r.job_id]]
-            assert len(tokens) == r.max_new_tokens
-            want = teacher_forced(runner, r, tokens)
-            got = [lp for _, lp in batched[r.job_id]]
-            gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
-            mean = sum(gaps) / len(gaps)
-            assert mean < 0.2 and max(gaps) < 1.0, (concurrency, r.job_id, mean, max(gaps))
+        assert_own_context(runner, requests, batched, concurrency)
+
+
+def assert_own_context(
+    runner: LlamaCppRunner,
+    requests: list[GenerationRequest],
+    served: dict[str, list[tuple[int, float]]],
+    label: object,
+    kv: int = KV,
+) -> None:
+    """Each job's served logprobs are those its own context gives its tokens alone
+    (teacher-forced): under 0.2 nats apart on average, 1 at most."""
+    for r in requests:
+        tokens = [t for t, _ in served[r.job_id]]
+        assert len(tokens) == r.max_new_tokens
+        want = teacher_forced(runner, r, tokens, kv)
+        got = [lp for _, lp in served[r.job_id]]
+        gaps = [abs(a - b) for a, b in zip(got, want, strict=True)]
+        mean = sum(gaps) / len(gaps)
+        assert mean < 0.2 and max(gaps) < 1.0, (label, r.job_id, mean, max(gaps))
 
 
 @pytest.mark.skipif(
@@ -278,26 +305,137 @@ def test_a_neighbour_takes_a_llama_cpp_thread_and_gives_it_back(runner: LlamaCpp
     assert runner.threads == 2
 
 
-def test_prefix_sharing_is_off_and_says_so(runner: LlamaCppRunner) -> None:
-    """The runner's spec turns the engine's prefix cache off (the config asked for it):
-    the same prompt twice is computed twice, no token comes from a cache, and the
-    answers are the same."""
-    assert runner.spec.shares_prefix is False
-    engine = Engine(runner, EngineConfig(kv_budget_bytes=KV, max_active=1, prefix_cache=True))
-    assert engine.blocks.prefix_cache is False
-    prompt = chat_ids(runner, QUESTIONS[2])
-    results = []
-    for i in range(2):
-        job = GenerationRequest(job_id=f"same-{i}", prompt_ids=prompt, max_new_tokens=8)
-        assert engine.submit(job).accepted
-        while engine.has_work:
-            results += [f.result for f in engine.step().finished]
-    assert [r.usage.cached_tokens for r in results] == [0, 0]
-    assert results[0].token_ids == results[1].token_ids
+SYSTEM = (
+    "You are a patient tutor for a class of curious ten-year-olds. Answer every question "
+    "in one or two short sentences, in plain English, with one concrete example from "
+    "everyday life, and never use lists, tables, headings or code."
+)
+
+
+def tutored(runner: LlamaCppRunner, new: int = 16) -> list[GenerationRequest]:
+    """The four questions under one long system prompt (greedy, eos ignored)."""
+    tok = runner.tokenizer
+    assert tok is not None
+    out = []
+    for i, question in enumerate(QUESTIONS):
+        turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        ids = tok.encode(render_chat(tok, turns))
+        out.append(
+            GenerationRequest(
+                job_id=f"tutor-{i}", prompt_ids=ids, max_new_tokens=new, ignore_eos=True
+            )
+        )
+    return out
+
+
+def finished(engine: Engine) -> list[JobResult]:
+    """Every job's result, in the order they ended."""
+    results: list[JobResult] = []
+    while engine.has_work:
+        results += [f.result for f in engine.step().finished]
+    return results
+
+
+def test_a_shared_prefix_is_lent_not_computed_again(runner: LlamaCppRunner) -> None:
+    """Four questions under one system prompt of ~60 tokens, one at a time: jobs 2-4
+    find its blocks in the engine's prefix cache, and llama.cpp lends them the cells
+    job 1 wrote (`llama_memory_seq_cp`; job 1's sequence is kept after it ends), so
+    nothing is computed again; each job's logprobs are those of its own context (a
+    borrowed cell from the wrong place would be off by nats). Not the same bits as
+    with the cache off: the lent cells sit elsewhere in llama.cpp's pool, and its
+    attention adds cells in pool order (a greedy token parted at a close call)."""
+    assert runner.spec.shares_prefix and "on" in runner.info["prefix_sharing"]
+    requests = tutored(runner)
+    recomputed = runner.recomputed_tokens
+    cached: dict[str, int] = {}
+    served = served_with_logprobs(runner, requests, 1, cached)
+    assert cached["tutor-0"] == 0 and min(cached[r.job_id] for r in requests[1:]) >= 48, cached
+    assert runner.recomputed_tokens == recomputed  # every cached block was lent
+    assert_own_context(runner, requests, served, "lent")
+
+
+def test_a_cached_prefix_nobody_holds_any_more_is_computed_again(
+    runner: LlamaCppRunner,
+) -> None:
+    """With no finished sequence kept (max_kept 0), the engine's cache still finds the
+    system prompt's blocks, but no llama.cpp sequence holds their cells: the runner
+    computes them again from the session's own tokens (each job's logprobs are its own
+    context's)."""
+    requests = tutored(runner)
+    kept, runner.max_kept = runner.max_kept, 0
+    try:
+        recomputed = runner.recomputed_tokens
+        cached: dict[str, int] = {}
+        served = served_with_logprobs(runner, requests, 1, cached)
+    finally:
+        runner.max_kept = kept
+    assert min(cached[r.job_id] for r in requests[1:]) >= 48, cached
+    assert runner.recomputed_tokens - recomputed == sum(cached.values())
+    assert_own_context(runner, requests, served, "computed again")
+
+
+def test_a_pool_full_of_kept_and_cached_blocks_stays_within_llama_cpps_cells() -> None:
+    """A pool of exactly 256 cells (16 blocks: llama.cpp's context is the same 256, so
+    a cell kept past its block's life would leave a tick without room): ten jobs, two
+    at a time, four under one system prompt, four alone and two of them asked again,
+    so that blocks are cached, evicted, handed out again and rewritten all along. Every
+    job ends, and its logprobs are its own context's (a lent cell of a block's earlier
+    contents would be off by nats)."""
+    assert SMOLLM2 is not None
+    token_bytes = 30 * 3 * 64 * 2 * 2  # SmolLM2: layers x KV heads x head dim x (K, V) x f16
+    options = LlamaCppOptions(
+        kv_budget_bytes=256 * token_bytes,
+        block_size=16,
+        max_sequences=2,
+        max_tick_tokens=2 + 64,
+        threads=2,
+        max_kept=8,  # more finished sequences than live ones: their stale cells would pile up
+    )
+    small = LlamaCppRunner(SMOLLM2, options)
+    try:
+        assert small.cells == 256
+        alone = [
+            r.model_copy(update={"job_id": f"alone-{i}", "max_new_tokens": 12})
+            for i, r in enumerate(jobs(small)[:4])
+        ]
+        shared = tutored(small, new=12)
+        again = [
+            r.model_copy(update={"job_id": f"{r.job_id}-again"}) for r in (shared[0], alone[1])
+        ]
+        requests = [
+            r.model_copy(update={"sampling": r.sampling.model_copy(update={"logprobs": 0})})
+            for r in (*shared, *alone, *again)
+        ]
+        config = EngineConfig(
+            kv_budget_bytes=options.kv_budget_bytes,
+            max_active=2,
+            max_batch_size=2,
+            max_prefill_tokens_per_tick=64,
+            max_waiting=len(requests),
+        )
+        engine = Engine(small, config)
+        assert engine.blocks.num_blocks == 16
+        for r in requests:
+            assert engine.submit(r).accepted, r.job_id
+        results = finished(engine)
+        assert len(results) == len(requests)
+        assert all(r.finish_reason is FinishReason.LENGTH for r in results), results
+        assert engine.blocks.stats.evictions > 0
+        assert min(r.usage.cached_tokens for r in results if "again" in r.job_id) >= 16
+        served = {
+            r.job_id: [(t, lp.logprob) for t, lp in zip(r.token_ids, r.logprobs or [], strict=True)]
+            for r in results
+        }
+        assert_own_context(small, requests, served, "pool", options.kv_budget_bytes)
+    finally:
+        small.close()
+
+
+TABLE = list(range(8))  # a session's block table in the hand-made plans below
 
 
 def _plan(seq: SeqState, start: int, length: int, samples: bool) -> TickPlan:
-    return TickPlan([], [PrefillChunk(seq, start, length, samples, [])])
+    return TickPlan([], [PrefillChunk(seq, start, length, samples, TABLE)])
 
 
 def test_a_session_fed_again_from_an_earlier_position_is_rewound(runner: LlamaCppRunner) -> None:
@@ -310,7 +448,7 @@ def test_a_session_fed_again_from_an_earlier_position_is_rewound(runner: LlamaCp
     def decode(seq: SeqState, n: int) -> list[int]:
         for _ in range(n):
             pos = seq.num_tokens - 1
-            step = DecodeStep(seq, seq.all_ids[-1], pos, pos + 1, [])
+            step = DecodeStep(seq, seq.all_ids[-1], pos, pos + 1, TABLE)
             seq.output_ids.append(_one(runner.execute(TickPlan([step], []), greedy)))
         return seq.output_ids
 
@@ -431,6 +569,7 @@ def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
     )
     gemma = LlamaCppRunner(path, options)
     try:
+        assert not gemma.spec.shares_prefix and "sliding-window" in gemma.info["prefix_sharing"]
         tok = gemma.tokenizer
         assert tok is not None
         prompts = ["The capital of France is", "def fibonacci(n):"]

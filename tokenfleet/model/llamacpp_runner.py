@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -64,6 +65,7 @@ from tokenfleet.model.tokenizer import Tokenizer
 from tokenfleet.seam import (
     DecodeStep,
     ModelSpec,
+    PrefillChunk,
     ResolvedSampling,
     Sampled,
     SamplingDefaults,
@@ -108,6 +110,11 @@ class LlamaCppOptions:
     max_tick_tokens: int  # decode rows + prefill tokens one tick may carry
     threads: int | None = None  # None: one per core
     extra_bufts: bool | None = None  # llama.cpp's weight repacking; None: off on AMX CPUs
+    # share cached prefixes between sessions (the engine's prefix cache) where the
+    # model's KV allows it; how many finished sequences are kept for their cached
+    # blocks (None: as many as max_sequences; at most the ids the live ones leave)
+    prefix_sharing: bool = True
+    max_kept: int | None = None
 
 
 def import_llama_cpp() -> ModuleType:
@@ -234,7 +241,14 @@ class LlamaCppRunner:
         self.cells = int(lib.llama_n_ctx(self.ctx))
         self.allocated = buffer_bytes(lines)
         fixed = sum(v for k, v in self.allocated.items() if k != "KV")
-        self._spec = replace(spec, weight_bytes=fixed or int(lib.llama_model_size(self.model)))
+        refused = self._why_not_shared(lib)
+        if not options.prefix_sharing:
+            refused = "off (prefix_sharing=False)"
+        self._spec = replace(
+            spec,
+            weight_bytes=fixed or int(lib.llama_model_size(self.model)),
+            shares_prefix=refused is None,
+        )
         self.info: dict[str, Any] = {
             "runner": "llamacpp",
             "llama_cpp_python": LLAMA_CPP_PYTHON,
@@ -250,6 +264,7 @@ class LlamaCppRunner:
             "threads": threads,
             "ubatch": ubatch,
             "allocated_mib": {k: round(v / MiB, 2) for k, v in self.allocated.items()},
+            "prefix_sharing": refused or "on (cells lent between sequences)",
         }
 
         # one llama_batch, filled in place every tick (numpy views of its arrays)
@@ -271,9 +286,21 @@ class LlamaCppRunner:
             seq_id=ctypes.cast(self._seq_rows, ctypes.POINTER(i32)),
             logits=self._flag.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
+        # llama.cpp sequence ids: llama_decode takes those below n_seq_max (the live
+        # sessions'); a unified cache keeps cells of any id below its maximum, so a
+        # finished sequence kept for its cached blocks moves to an id above them
         self._free_ids = list(range(options.max_sequences - 1, -1, -1))
+        self._free_kept = list(range(MAX_SEQUENCES - 1, options.max_sequences - 1, -1))
         self._seq_ids: dict[str, int] = {}  # session -> llama.cpp sequence id
         self._ends: dict[int, int] = {}  # sequence id -> positions its cells hold
+        self._block_size = options.block_size
+        self._cells_of = BlockCells()  # which sequences' cells hold each KV block
+        self._kept: OrderedDict[int, None] = OrderedDict()  # finished, oldest first
+        self.max_kept = min(
+            options.max_sequences if options.max_kept is None else options.max_kept,
+            len(self._free_kept),
+        )
+        self.recomputed_tokens = 0  # prefix tokens no kept sequence held any more
         self.sampling = TickSampler()
 
     def _read_spec(self, lib: ModuleType) -> ModelSpec:
@@ -300,8 +327,15 @@ class LlamaCppRunner:
             eos_token_ids=frozenset(t for t in eos if t >= 0),
             sampling_defaults=SamplingDefaults(),
             cache_identity=digest.hexdigest(),
-            shares_prefix=False,
         )
+
+    def _why_not_shared(self, lib: ModuleType) -> str | None:
+        """Why this model's KV cells cannot be lent between sessions, or None."""
+        if lib.llama_model_is_recurrent(self.model) or lib.llama_model_is_hybrid(self.model):
+            return "off: a recurrent state is one per sequence, not cells per position"
+        if int(lib.llama_model_n_swa(self.model)) > 0:
+            return "off: sliding-window layers drop the cells a later session would borrow"
+        return None
 
     def _meta(self, lib: ModuleType, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
@@ -324,6 +358,7 @@ class LlamaCppRunner:
         return 3 * 4 * self._spec.vocab_size
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self._block_size = block_size
         if num_blocks * block_size > self.cells:
             raise ValueError(
                 f"{num_blocks} KV blocks of {block_size} tokens do not fit llama.cpp's "
@@ -340,22 +375,25 @@ class LlamaCppRunner:
         if n > len(self._token):
             raise ValueError(f"a tick of {n} tokens exceeds the runner's {len(self._token)}")
         states = self.sampling.states(plan, sampling)
+        fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
+        for entry in plan.entries:  # each sequence's cells end where its entry starts
+            sid = self._seq_id(entry.seq.session_id)
+            start = entry.position if isinstance(entry, DecodeStep) else entry.start
+            self._place(sid, entry, start)
+            fed.append((sid, start))
         flagged: list[int] = []  # batch rows whose logits are read, in batch order
         sample_rows: list[int] = []
         echoes: list[Echo] = []
-        fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
         at = 0
-        for entry in plan.entries:
-            sid = self._seq_id(entry.seq.session_id)
+        for entry, (sid, start) in zip(plan.entries, fed, strict=True):
             if isinstance(entry, DecodeStep):
-                ids, start, samples = [entry.token_id], entry.position, True
+                ids, samples = [entry.token_id], True
             else:
-                ids, start, samples = entry.token_ids, entry.start, entry.samples
+                ids, samples = entry.token_ids, entry.samples
                 echo = Echo.of(entry, at)
                 if echo is not None:
                     echoes.append(echo)
                     flagged.extend(echo.rows)
-            self._rewind(sid, start)
             end = at + len(ids)
             self._token[at:end] = ids
             self._pos[at:end] = np.arange(start, start + len(ids), dtype=np.int32)
@@ -363,7 +401,6 @@ class LlamaCppRunner:
             if samples:
                 sample_rows.append(end - 1)
                 flagged.append(end - 1)
-            fed.append((sid, start))
             at = end
         self._flag[:n] = 0
         self._flag[flagged] = 1
@@ -371,8 +408,7 @@ class LlamaCppRunner:
         code = int(self.lib.llama_decode(self.ctx, self._batch))
         if code != 0:
             for sid, start in fed:  # what a failed tick may have written is not kept
-                self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
-                self._ends[sid] = start
+                self._cut(sid, start)
             reason = _DECODE_ERRORS.get(code, "error")
             raise RuntimeError(f"llama_decode failed: {code} ({reason})")
         for entry, (sid, start) in zip(plan.entries, fed, strict=True):
@@ -402,13 +438,25 @@ class LlamaCppRunner:
         self.lib.llama_set_n_threads(self.ctx, n, n)
 
     def release(self, session_id: str) -> None:
+        """The session ended. With prefix sharing its sequence is kept while it holds
+        blocks' cells (the engine may have cached them; a block rewritten later drops
+        them), the oldest kept one dropped past `max_kept`; else its cells go now."""
         self.sampling.release(session_id)
         sid = self._seq_ids.pop(session_id, None)
         if sid is None:
             return
-        self.lib.llama_memory_seq_rm(self.memory, sid, -1, -1)
         self._ends.pop(sid, None)
+        if not self._spec.shares_prefix or not self._cells_of.blocks_of(sid) or not self.max_kept:
+            self._drop(sid)
+            return
+        while len(self._kept) >= self.max_kept:
+            self._drop(next(iter(self._kept)))
+        kept = self._free_kept.pop()
+        self.lib.llama_memory_seq_cp(self.memory, sid, kept, -1, -1)  # its cells, retagged
+        self.lib.llama_memory_seq_rm(self.memory, sid, -1, -1)
+        self._cells_of.rename(sid, kept)
         self._free_ids.append(sid)
+        self._kept[kept] = None
 
     # ---- sequences ---------------------------------------------------------------
 
@@ -423,17 +471,90 @@ class LlamaCppRunner:
             self._ends[sid] = 0
         return sid
 
-    def _rewind(self, sid: int, start: int) -> None:
-        """Make the sequence's cells end at `start`, where this tick feeds it from."""
-        end = self._ends[sid]
+    def _place(self, sid: int, entry: DecodeStep | PrefillChunk, start: int) -> None:
+        """Make the sequence's cells end at `start`, where this tick feeds it from, and
+        mark the blocks the entry writes as its own.
+
+        Past its end: a prefix the engine's cache supplied (whole blocks of the entry's
+        table): each block's cells are lent by a sequence that holds them
+        (`llama_memory_seq_cp`: the cells gain this sequence's tag, nothing is copied),
+        or, where none does any more (a kept sequence was dropped), computed again
+        from the session's own tokens. Before its end: a tick fed again (a retry)."""
+        end, size, table = self._ends[sid], self._block_size, entry.block_table
         if end > start:
-            self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
-            self._ends[sid] = start
+            self._cut(sid, start)
         elif end < start:
-            raise RuntimeError(
-                f"llama.cpp sequence {sid} holds positions up to {end}, the plan feeds "
-                f"from {start} (a prefix this runner does not have)"
-            )
+            if end % size or start % size or not self._spec.shares_prefix:
+                raise RuntimeError(
+                    f"llama.cpp sequence {sid} holds positions up to {end}, the plan "
+                    f"feeds from {start} (a prefix this runner does not have)"
+                )
+            lost: list[int] = []  # leading positions of blocks nobody holds, in order
+            for first in range(end, start, size):
+                block = table[first // size]
+                lender = self._cells_of.holder(block, first)
+                if lender is None:
+                    lost.append(first)
+                    continue
+                self._recompute(sid, entry.seq.all_ids, lost)
+                lost = []
+                self.lib.llama_memory_seq_cp(self.memory, lender, sid, first, first + size)
+            self._recompute(sid, entry.seq.all_ids, lost)
+            for first in range(end, start, size):
+                self._cells_of.add(table[first // size], first, sid)
+            self._ends[sid] = start
+        stop = start + (1 if isinstance(entry, DecodeStep) else entry.length)
+        for first in range(start - start % size, stop, size):
+            for stale in self._cells_of.write(table[first // size], first, sid):
+                self._forget(stale)
+
+    def _recompute(self, sid: int, ids: list[int], firsts: list[int]) -> None:
+        """Compute the KV of consecutive blocks starting at `firsts` for the sequence
+        (its cells end at firsts[0]), in batches of the runner's size, no logits."""
+        if not firsts:
+            return
+        size = self._block_size
+        start, stop = firsts[0], firsts[-1] + size
+        cap = len(self._token)
+        for at in range(start, stop, cap):
+            n = min(cap, stop - at)
+            self._token[:n] = ids[at : at + n]
+            self._pos[:n] = np.arange(at, at + n, dtype=np.int32)
+            self._seq[:n] = sid
+            self._flag[:n] = 0
+            self._batch.n_tokens = n
+            code = int(self.lib.llama_decode(self.ctx, self._batch))
+            if code != 0:
+                self._cut(sid, start)
+                raise RuntimeError(
+                    f"llama_decode failed recomputing a dropped prefix: {code} "
+                    f"({_DECODE_ERRORS.get(code, 'error')})"
+                )
+        self.recomputed_tokens += stop - start
+
+    def _cut(self, sid: int, start: int) -> None:
+        """Remove the sequence's cells from `start` on."""
+        self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
+        self._ends[sid] = start
+        self._cells_of.cut(sid, start)
+
+    def _forget(self, stale: tuple[int, int]) -> None:
+        """A block was written again: the cells a kept sequence held of its previous
+        contents go (so llama.cpp's cells in use stay within the block pool)."""
+        sid, first = stale
+        self.lib.llama_memory_seq_rm(self.memory, sid, first, first + self._block_size)
+        if sid in self._kept and not self._cells_of.blocks_of(sid):
+            self._drop(sid)
+
+    def _drop(self, sid: int) -> None:
+        """Remove every cell of the sequence and free its id."""
+        self.lib.llama_memory_seq_rm(self.memory, sid, -1, -1)
+        self._cells_of.remove(sid)
+        if sid in self._kept:
+            del self._kept[sid]
+            self._free_kept.append(sid)
+        else:
+            self._free_ids.append(sid)
 
     def close(self) -> None:
         """Free llama.cpp's context and model (a worker that exits need not)."""
@@ -443,6 +564,84 @@ class LlamaCppRunner:
         if getattr(self, "model", None):
             self.lib.llama_model_free(self.model)
             self.model = None
+
+
+class BlockCells:
+    """Which llama.cpp sequences hold cells of each block of the scheduler's KV pool.
+
+    A block's cells are written by one sequence at positions `first..first+size-1` and
+    may be lent to others (a shared prefix: the cells carry every borrower's tag). When
+    the engine hands the block out again and a sequence writes it, the holders of its
+    previous contents are stale: `write` returns them, and their cells are removed.
+    So llama.cpp never holds more than one block's worth of cells per block."""
+
+    def __init__(self) -> None:
+        self._first: dict[int, int] = {}  # block -> its first position
+        self._holders: dict[int, set[int]] = {}  # block -> sequence ids
+        self._blocks: dict[int, set[int]] = {}  # sequence id -> blocks
+
+    def blocks_of(self, sid: int) -> set[int]:
+        return self._blocks.get(sid, set())
+
+    def holder(self, block: int, first: int) -> int | None:
+        """A sequence holding the block's cells at `first`, or None."""
+        holders = self._holders.get(block)
+        if not holders or self._first[block] != first:
+            return None
+        return min(holders)
+
+    def add(self, block: int, first: int, sid: int) -> None:
+        """The sequence holds the block's cells at `first` (lent, or computed again)."""
+        self._first[block] = first
+        self._holders.setdefault(block, set()).add(sid)
+        self._blocks.setdefault(sid, set()).add(block)
+
+    def write(self, block: int, first: int, sid: int) -> list[tuple[int, int]]:
+        """The sequence writes the block at `first`: (sequence, first position) of each
+        holder of the block's previous contents, forgotten here."""
+        stale: list[tuple[int, int]] = []
+        holders = self._holders.get(block)
+        if holders is not None:
+            old = self._first[block]
+            for holder in sorted(holders):
+                if holder != sid or old != first:
+                    stale.append((holder, old))
+                    self._discard(holder, block)
+        self.add(block, first, sid)
+        return stale
+
+    def cut(self, sid: int, start: int) -> None:
+        """The sequence's cells from `start` on were removed."""
+        for block in list(self.blocks_of(sid)):
+            if self._first[block] >= start:
+                self._discard(sid, block)
+
+    def rename(self, sid: int, new: int) -> None:
+        """The sequence's cells now carry the id `new` (and no longer `sid`)."""
+        blocks = self._blocks.pop(sid, set())
+        for block in blocks:
+            holders = self._holders[block]
+            holders.discard(sid)
+            holders.add(new)
+        if blocks:
+            self._blocks[new] = blocks
+
+    def remove(self, sid: int) -> None:
+        """Every cell of the sequence was removed."""
+        for block in list(self.blocks_of(sid)):
+            self._discard(sid, block)
+        self._blocks.pop(sid, None)
+
+    def _discard(self, sid: int, block: int) -> None:
+        holders = self._holders[block]
+        holders.discard(sid)
+        if not holders:
+            del self._holders[block], self._first[block]
+        mine = self._blocks.get(sid)
+        if mine is not None:
+            mine.discard(block)
+            if not mine:
+                del self._blocks[sid]
 
 
 def _read_gguf(path: Path) -> tuple[Tokenizer | None, str | None]:

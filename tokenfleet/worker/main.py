@@ -212,6 +212,7 @@ def _llamacpp_runner(
         max_sequences=engine.max_active,
         max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
         threads=settings.threads,
+        prefix_sharing=engine.prefix_cache,
     )
     runner = LlamaCppRunner(preset_file(settings.model), options)
     # torch only samples here (a few rows a tick): one thread, so that no OpenMP pool
