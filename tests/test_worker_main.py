@@ -287,9 +287,22 @@ def test_worker_help_shows_each_settings_default_and_variable() -> None:
         "--kv-mb",
         "KV cache budget, MiB [default: 256]",
         "[default: 0.0625]",
-        "($TOKENFLEET_PREFIX_CACHE) [default: prefix-cache]",
+        "($TOKENFLEET_PREFIX_CACHE)",
         "($TOKENFLEET_MODEL) [default: tiny-random]",
         "($TOKENFLEET_REDIS_URL or $REDIS_URL) [default: redis://127.0.0.1:6379/0]",
     ):
         assert line in out, line
     assert "--inject-fault-on-metadata" not in out  # hidden: tests only
+
+
+def test_the_prefix_cache_is_on_by_default_except_on_the_llama_cpp_runner() -> None:
+    """Unset, the torch runner shares prefixes and the llama.cpp runner does not (its kept
+    cells slow every decode of jobs that share nothing: docs/operations.md); the flag,
+    given, wins on both."""
+    from tokenfleet.worker.main import engine_config
+
+    for runner, default in (("torch", True), ("llamacpp", False), ("sim", True)):
+        assert engine_config(WorkerSettings(runner=runner)).prefix_cache is default, runner
+        for given in (True, False):
+            settings = WorkerSettings(runner=runner, prefix_cache=given)
+            assert engine_config(settings).prefix_cache is given, (runner, given)

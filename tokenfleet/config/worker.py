@@ -95,11 +95,15 @@ class WorkerSettings(Settings):
 
     # ---- the engine's budget (EngineConfig, FairnessConfig) ------------------------
     prefix_cache: Annotated[
-        bool,
+        bool | None,
         Env("TOKENFLEET_PREFIX_CACHE"),
         Flag("--prefix-cache/--no-prefix-cache"),
-        Field(description="share full KV blocks between jobs with the same prefix"),
-    ] = True
+        Field(
+            description="share full KV blocks between jobs with the same prefix; unset: "
+            "on, except on --runner llamacpp, where the cells it keeps slow every decode "
+            "of jobs that share nothing (docs/operations.md)"
+        ),
+    ] = None
     kv_mb: Annotated[int, Flag("--kv-mb"), Field(description="KV cache budget, MiB")] = 256
     max_batch: Annotated[
         int, Flag("--max-batch"), Field(description="decode sessions per tick")

@@ -15,13 +15,21 @@ KV. llama.cpp keeps its own cache (one unified buffer of cells, each tagged with
 sequences that use it), so the scheduler's block tables are not addresses here: the
 runner sizes that cache to hold every token the scheduler's blocks can (its cells are
 the node's KV budget, rounded up by llama.cpp) and tracks how far each sequence's cells
-go. `release` removes a sequence's cells (`llama_memory_seq_rm`). A plan that restarts
-a session at an earlier position (a retry after a failed tick) removes the cells from
-there first. Prefix sharing between sessions is off on this runner
-(`ModelSpec.shares_prefix`): a shared block would have to be cells another sequence
-wrote, which llama.cpp can lend (`llama_memory_seq_cp`) only while that sequence is
-kept, and the scheduler frees cached blocks without telling the runner. Each session
-prefills its own prompt instead (docs/operations.md, "Choosing a runner").
+go. A plan that restarts a session at an earlier position (a retry after a failed
+tick) removes the cells from there first.
+
+Prefix sharing. `BlockCells` maps each block of the scheduler's pool to the sequences
+whose cells hold it. A session whose plan starts past a prefix the engine's cache found
+borrows each cached block's cells (`llama_memory_seq_cp`: a tag, no copy); a block
+nobody holds any more is computed again from the session's own tokens. A finished
+session's sequence is kept while it holds blocks (moved to an id above the live ones:
+`llama_decode` takes ids below `n_seq_max` only), at most `max_kept`, the oldest
+dropped first; else `release` removes its cells (`llama_memory_seq_rm`). When the
+scheduler hands a block out again and a session writes it, the cells its earlier
+contents left are removed, so llama.cpp's cells in use never exceed the block pool.
+Sliding-window and recurrent models share nothing (`ModelSpec.shares_prefix`: their
+caches drop, or never had, the cells a later session would borrow). docs/operations.md,
+"Choosing a runner".
 
 Budgets are what llama.cpp says it allocated (its log lines at load): the model's
 buffers, the KV cells and the compute and output buffers; the fixed ones count as the
@@ -69,6 +77,7 @@ from tokenfleet.seam import (
     ResolvedSampling,
     Sampled,
     SamplingDefaults,
+    SeqState,
     TickPlan,
     TokenMasks,
 )
@@ -243,7 +252,7 @@ class LlamaCppRunner:
         fixed = sum(v for k, v in self.allocated.items() if k != "KV")
         refused = self._why_not_shared(lib)
         if not options.prefix_sharing:
-            refused = "off (prefix_sharing=False)"
+            refused = "off: the worker's prefix cache is off (--prefix-cache turns it on)"
         self._spec = replace(
             spec,
             weight_bytes=fixed or int(lib.llama_model_size(self.model)),
@@ -293,6 +302,7 @@ class LlamaCppRunner:
         self._free_kept = list(range(MAX_SEQUENCES - 1, options.max_sequences - 1, -1))
         self._seq_ids: dict[str, int] = {}  # session -> llama.cpp sequence id
         self._ends: dict[int, int] = {}  # sequence id -> positions its cells hold
+        self._states: dict[str, SeqState] = {}  # session -> its state, as last planned
         self._block_size = options.block_size
         self._cells_of = BlockCells()  # which sequences' cells hold each KV block
         self._kept: OrderedDict[int, None] = OrderedDict()  # finished, oldest first
@@ -378,6 +388,7 @@ class LlamaCppRunner:
         fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
         for entry in plan.entries:  # each sequence's cells end where its entry starts
             sid = self._seq_id(entry.seq.session_id)
+            self._states[entry.seq.session_id] = entry.seq
             start = entry.position if isinstance(entry, DecodeStep) else entry.start
             self._place(sid, entry, start)
             fed.append((sid, start))
@@ -438,15 +449,22 @@ class LlamaCppRunner:
         self.lib.llama_set_n_threads(self.ctx, n, n)
 
     def release(self, session_id: str) -> None:
-        """The session ended. With prefix sharing its sequence is kept while it holds
-        blocks' cells (the engine may have cached them; a block rewritten later drops
-        them), the oldest kept one dropped past `max_kept`; else its cells go now."""
+        """The session ended. With prefix sharing its sequence is kept with the cells of
+        the blocks the engine registered in its cache (the rest go now; a block written
+        again later drops its cells too), the oldest kept one dropped past `max_kept`;
+        else its cells go now."""
         self.sampling.release(session_id)
+        state = self._states.pop(session_id, None)
         sid = self._seq_ids.pop(session_id, None)
         if sid is None:
             return
         self._ends.pop(sid, None)
-        if not self._spec.shares_prefix or not self._cells_of.blocks_of(sid) or not self.max_kept:
+        cached = 0 if state is None else state.num_registered * self._block_size
+        if not (self._spec.shares_prefix and self.max_kept and cached):
+            self._drop(sid)
+            return
+        self._cut(sid, cached)
+        if not self._cells_of.blocks_of(sid):
             self._drop(sid)
             return
         while len(self._kept) >= self.max_kept:
@@ -535,7 +553,8 @@ class LlamaCppRunner:
     def _cut(self, sid: int, start: int) -> None:
         """Remove the sequence's cells from `start` on."""
         self.lib.llama_memory_seq_rm(self.memory, sid, start, -1)
-        self._ends[sid] = start
+        if sid in self._ends:
+            self._ends[sid] = start
         self._cells_of.cut(sid, start)
 
     def _forget(self, stale: tuple[int, int]) -> None:

@@ -69,9 +69,18 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         max_batch_size=settings.max_batch,
         max_prefill_tokens_per_tick=settings.prefill_tokens,
         max_waiting=settings.max_waiting,
-        prefix_cache=settings.prefix_cache,
+        prefix_cache=prefix_cache_on(settings),
         fairness=fairness,
     )
+
+
+def prefix_cache_on(settings: WorkerSettings) -> bool:
+    """`--prefix-cache` as given; unset, on except on the llama.cpp runner (its prefix
+    sharing keeps finished sequences' cells in llama.cpp's one pool, and every decode
+    row's attention walks them: a cost jobs that share no prefix pay for nothing)."""
+    if settings.prefix_cache is not None:
+        return settings.prefix_cache
+    return settings.runner != "llamacpp"
 
 
 def worker_options(settings: WorkerSettings, info: dict[str, Any]) -> WorkerOptions:
