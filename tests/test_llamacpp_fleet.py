@@ -201,10 +201,12 @@ def test_a_kill9_resume_on_another_worker_gives_the_same_tokens(
             assert result.worker == "lcp-b", (handle.id, result.worker)
             assert result.finish_reason is FinishReason.LENGTH, result.error
             assert len(result.token_ids) == NEW
-            # every token's logprob as its worker computed it, from the job's replay
-            # stream (the stored result of a resumed job carries none: noted, not fixed)
+            # every token's logprob as its worker computed it, in the job's replay
+            # stream, and in its stored result (the resuming worker read the first
+            # worker's from the stream)
             streamed[handle.id] = [e for e in handle.stream(timeout=30) if e.logprobs]
             assert [e.token_id for e in streamed[handle.id]] == list(result.token_ids)
+            assert result.logprobs == [e.logprobs for e in streamed[handle.id]]
         assert second.wait(120) == 0, second.output()
     finally:
         client.close()

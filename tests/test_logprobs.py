@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from tests.helpers.gateway import GatewayEnv, gateway_env
 from tests.helpers.models import make_hf_llama, reference_logits, save_hf_llama
-from tests.test_engine import run_jobs
+from tests.test_engine import Run, run_jobs
 from tokenfleet.model import LoadedModel, load_model
 from tokenfleet.openai.models import ChatCompletionRequest, CompletionRequest
 from tokenfleet.openai.render import Renderer, chat_logprobs, completion_logprobs
@@ -29,6 +29,7 @@ from tokenfleet.protocol import (
     encode,
 )
 from tokenfleet.reasons import FinishReason
+from tokenfleet.worker.engine import Engine, EngineConfig
 
 PROMPT = [1, 17, 93, 400, 5, 77, 250]
 
@@ -89,6 +90,28 @@ def test_asking_for_logprobs_changes_no_token_of_any_session_in_the_batch(
         assert all(lp is not None and len(lp.top) == k for lp in mine)
         result = run.finished["asking"].result
         assert result.logprobs == mine and run.finished["quiet"].result.logprobs is None
+
+
+def test_a_resumed_job_keeps_the_logprobs_its_first_worker_published(tiny: LoadedModel) -> None:
+    """A job resumed after 4 tokens (the events another worker published, logprobs
+    included) ends with a result whose logprobs are those 4 and its own: the whole
+    job's, as if it had run on one worker."""
+    whole = run_jobs(tiny, [_job("whole", 10, logprobs=2)]).finished["whole"].result
+    assert whole.logprobs is not None and len(whole.logprobs) == 10
+    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * 2**20))
+    resumed = _job("whole", 10, logprobs=2)
+    decision = engine.submit(
+        resumed, resume_ids=whole.token_ids[:4], resume_logprobs=whole.logprobs[:4]
+    )
+    assert decision.accepted
+    result = Run(engine).drain().finished["whole"].result
+    assert result.token_ids == whole.token_ids
+    assert result.logprobs is not None and result.logprobs[:4] == whole.logprobs[:4]
+    assert [lp.token for lp in result.logprobs] == [lp.token for lp in whole.logprobs]
+    # without them (events that carried none), the result says it has no whole list
+    engine = Engine(tiny, EngineConfig(kv_budget_bytes=16 * 2**20))
+    assert engine.submit(resumed, resume_ids=whole.token_ids[:4]).accepted
+    assert Run(engine).drain().finished["whole"].result.logprobs is None
 
 
 def test_penalties_do_not_change_the_reported_logprobs(tiny: LoadedModel) -> None:

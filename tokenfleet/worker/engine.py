@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, cast
 
@@ -34,6 +34,7 @@ from tokenfleet.protocol import (
     ErrorInfo,
     GenerationRequest,
     TokenEvent,
+    TokenLogprob,
 )
 from tokenfleet.reasons import QUEUE_DEADLINE_REASON, AdmissionReason, FinishReason
 from tokenfleet.seam import (
@@ -158,13 +159,15 @@ class Engine:
         request: GenerationRequest,
         *,
         resume_ids: list[int] | None = None,
+        resume_logprobs: Sequence[TokenLogprob | None] | None = None,
         submitted_at: float | None = None,
         overflow: bool = False,
         cache_group: str | None = None,
         band: Band | None = None,
     ) -> AdmissionDecision:
         """Admit, queue or reject one job. `resume_ids` are tokens a previous worker
-        already emitted (indices 0..n-1): the job continues at index n. Its cached
+        already emitted (indices 0..n-1): the job continues at index n; `resume_logprobs`
+        are what their events carried (so the job's result keeps them). Its cached
         prompt blocks are shared with its tenant's jobs only, or with those of every
         tenant in `cache_group` (the tenant's setting, as accept.lua reads it).
 
@@ -186,8 +189,11 @@ class Engine:
         session.cache_scope = cache_scope(request.tenant, cache_group)
         if band is not None:
             session.band = band.rank
-        for token in resume_ids or []:
-            _, ended = session.accept(token)
+        resumed = resume_ids or []
+        carried = list(resume_logprobs or [])
+        carried += [None] * (len(resumed) - len(carried))
+        for token, logprobs in zip(resumed, carried, strict=False):
+            _, ended = session.accept(token, logprobs)
             if ended is not None:  # everything was emitted; only the finish event is missing
                 self._end(session, ended, now)
                 return AdmissionDecision(AdmissionReason.ADMITTED, "resumed job was complete")

@@ -140,13 +140,14 @@ class Intake:
         job_id = request.job_id
         # A claimed job, or one another worker gave back, resumes after its published
         # tokens: the job hash's count of them (accept.lua) says whether there are any.
-        resume = self.queue.emitted_tokens(job_id) if accepted.emitted > 0 else []
+        resume = self.queue.emitted_events(job_id) if accepted.emitted > 0 else []
         submitted_at = accepted.submitted_at
         if submitted_at is None:  # a state hash without it: the entry id's time
             submitted_at = int(delivery.entry_id.split("-")[0]) / 1000.0
         self.engine.submit(
             request,
-            resume_ids=resume,
+            resume_ids=[event.token_id for event in resume],
+            resume_logprobs=[event.logprobs for event in resume],
             submitted_at=submitted_at,
             overflow=True,
             cache_group=accepted.cache_group,

@@ -446,11 +446,16 @@ class WorkerQueue:
         )
 
     def emitted_tokens(self, job_id: str) -> list[int]:
-        """Token ids already published for indices 0..k-1, for a worker resuming the job.
+        """Token ids already published for indices 0..k-1 (`emitted_events`)."""
+        return [event.token_id for event in self.emitted_events(job_id)]
+
+    def emitted_events(self, job_id: str) -> list[TokenEvent]:
+        """Token events already published for indices 0..k-1, for a worker resuming the
+        job (their ids, and their logprobs when the job asked for them).
 
         Reads the replay stream: the first event seen per index wins, the run stops
         at the first missing index, the finish event and unreadable entries are skipped."""
-        by_index: dict[int, int] = {}
+        by_index: dict[int, TokenEvent] = {}
         for _entry_id, fields in self.redis.xrange(self.keys.events(job_id), "-", "+"):
             data = (fields or {}).get(b"m")
             if not isinstance(data, bytes):
@@ -461,11 +466,11 @@ class WorkerQueue:
                 continue
             for event in events:
                 if isinstance(event, TokenEvent) and event.job_id == job_id:
-                    by_index.setdefault(event.index, event.token_id)
-        tokens: list[int] = []
-        while len(tokens) in by_index:
-            tokens.append(by_index[len(tokens)])
-        return tokens
+                    by_index.setdefault(event.index, event)
+        emitted: list[TokenEvent] = []
+        while len(emitted) in by_index:
+            emitted.append(by_index[len(emitted)])
+        return emitted
 
     # --- recovery -------------------------------------------------------------
     def claim_orphans(self, max_count: int, min_idle_ms: int = 1000) -> list[Delivery]:

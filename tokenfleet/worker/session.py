@@ -168,7 +168,7 @@ def terminal(
 
 def _all_logprobs(events: Seq[TokenEvent]) -> list[TokenLogprob] | None:
     """Every event's logprobs, or None unless each has them (a job that asked none, or
-    one resumed here: the tokens replayed into it carry none)."""
+    one resumed from events that carried none)."""
     found = [e.logprobs for e in events if e.logprobs is not None]
     return found if events and len(found) == len(events) else None
 
