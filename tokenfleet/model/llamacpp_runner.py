@@ -388,7 +388,8 @@ class LlamaCppRunner:
         fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
         for entry in plan.entries:  # each sequence's cells end where its entry starts
             sid = self._seq_id(entry.seq.session_id)
-            self._states[entry.seq.session_id] = entry.seq
+            if self._spec.shares_prefix:  # what `release` keeps is read from it
+                self._states[entry.seq.session_id] = entry.seq
             start = entry.position if isinstance(entry, DecodeStep) else entry.start
             self._place(sid, entry, start)
             fed.append((sid, start))
@@ -521,6 +522,8 @@ class LlamaCppRunner:
             for first in range(end, start, size):
                 self._cells_of.add(table[first // size], first, sid)
             self._ends[sid] = start
+        if not self._spec.shares_prefix:
+            return  # no block is lent: nothing to track
         stop = start + (1 if isinstance(entry, DecodeStep) else entry.length)
         for first in range(start - start % size, stop, size):
             for stale in self._cells_of.write(table[first // size], first, sid):

@@ -190,9 +190,8 @@ class Engine:
         if band is not None:
             session.band = band.rank
         resumed = resume_ids or []
-        carried = list(resume_logprobs or [])
-        carried += [None] * (len(resumed) - len(carried))
-        for token, logprobs in zip(resumed, carried, strict=False):
+        carried = resume_logprobs if resume_logprobs is not None else [None] * len(resumed)
+        for token, logprobs in zip(resumed, carried, strict=True):
             _, ended = session.accept(token, logprobs)
             if ended is not None:  # everything was emitted; only the finish event is missing
                 self._end(session, ended, now)
