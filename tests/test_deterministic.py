@@ -10,9 +10,9 @@ its one-query kernel), which is what the mode exists for.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,11 +22,12 @@ import redis
 from tests.helpers.support import wait_for
 from tests.helpers.workers import Fleet
 from tokenfleet.model import LoadedModel, load_model
-from tokenfleet.model.cpu import cpu_flags
 from tokenfleet.model.deterministic import (
     DeterminismError,
     check_forward,
+    choose_tiling,
     make_deterministic,
+    probe_rows,
     row_invariant,
 )
 from tokenfleet.model.smollm2 import PRESET as SMOLLM2
@@ -178,6 +179,39 @@ def test_int8_packed_kernel_is_row_invariant_and_the_prefill_switch_is_not() -> 
     assert not row_invariant(w.matmul, x)
 
 
+@needs_smollm2
+def test_the_chosen_tiling_is_the_cheapest_that_holds(smollm2_default: LoadedModel) -> None:
+    """The probe's choice for SmolLM2's bf16 matrices: its tiling makes every matrix
+    row-invariant (each probe row alone, in prefixes and in windows of a call), and every
+    cheaper one in the list fails on some matrix. On an AVX512-BF16 EPYC without AMX
+    that is `min_rows` 2: the one-row kernel sums the MLP's down projection (K = 1,536)
+    in another order; on AVX2, nothing at all."""
+    import functools
+
+    import torch
+
+    from tokenfleet.model.deterministic import _TILINGS
+    from tokenfleet.model.layers import linear
+
+    model = smollm2_default.model
+    chosen = choose_tiling(model)
+    g = torch.Generator().manual_seed(5)
+    attn, mlp = model.layer_weights()[0]
+    dense = [attn.qkv, mlp.o, mlp.gate_up, mlp.down, model.lm_head.weight]
+    inputs = [probe_rows(40, w.shape[1], g, torch.bfloat16) for w in dense]
+
+    def holds(tiling: tuple[int, int]) -> bool:
+        shape = dataclasses.replace(model.shape, row_tile=tiling[0], min_rows=tiling[1])
+        return all(
+            row_invariant(functools.partial(linear, w=w, bias=None, s=shape), x)
+            for w, x in zip(dense, inputs, strict=True)
+        )
+
+    assert holds(chosen), chosen
+    for cheaper in _TILINGS[: _TILINGS.index(chosen)]:
+        assert not holds(cheaper), (cheaper, chosen)
+
+
 def test_float32_is_refused_where_its_kernels_are_not_invariant() -> None:
     """float32 matmuls here depend on the row count, and attention's too: the mode says so
     at load instead of promising what it cannot keep."""
@@ -211,37 +245,9 @@ def smollm2(request: pytest.FixtureRequest, smollm2_default: LoadedModel) -> Loa
     return loaded
 
 
-# A known gap, found on an AMD EPYC Zen 4 (AVX512-BF16, no AMX) on 2026-12-03, on the
-# commit before that session's work too: bf16 SmolLM2 jobs in the mode gave other tokens
-# 2 at a time than alone (2 of 6 jobs), and a kill -9 resume parted at token 6. torch's
-# bf16 kernels there pick their path by row count. Reported as an expected failure on
-# such CPUs (the test still runs: a pass there shows as XPASS) until the mode refuses or
-# fixes bf16 on them.
-BF16_GAP = bool({"avx512_bf16"} & cpu_flags()) and not {"amx_bf16", "amx_tile"} & cpu_flags()
-
-
-def known_bf16_gap(dtype_is_bf16: bool) -> contextlib.AbstractContextManager[None]:
-    """Turn an assertion failure into an expected failure where the gap above is known."""
-
-    @contextlib.contextmanager
-    def gap() -> Iterator[None]:
-        try:
-            yield
-        except AssertionError as exc:
-            if dtype_is_bf16 and BF16_GAP:
-                pytest.xfail(
-                    f"bf16 --deterministic is not batch-invariant on AVX512-BF16 "
-                    f"without AMX (known gap): {str(exc)[:200]}"
-                )
-            raise
-
-    return gap()
-
-
 @needs_smollm2
 def test_smollm2_tokens_do_not_depend_on_the_batch(smollm2: LoadedModel) -> None:
-    with known_bf16_gap(smollm2.quant is None):
-        check_invariant(smollm2, jobs(smollm2.config.vocab_size, n=6, new=8), (2, 6))
+    check_invariant(smollm2, jobs(smollm2.config.vocab_size, n=6, new=8), (2, 6))
 
 
 @needs_smollm2
@@ -282,14 +288,16 @@ def test_a_kill9_resume_on_another_worker_gives_the_same_tokens(
             return int(client.hget(producer.keys.job(job_id), "emitted") or 0)
 
         wait_for(lambda: all(emitted(h.id) >= 4 for h in handles), 240, "every job mid-stream")
+        # the heartbeat says how the mode runs here (the probe's choice, the backend)
+        mode = json.loads(client.hget(producer.keys.worker("det-a"), "deterministic") or "null")
+        assert mode == {**mode, "attention": "exact"} and {"row_tile", "min_rows"} <= set(mode)
         first.kill()
         assert all(emitted(h.id) < 24 for h in handles), "a job finished before the kill"
         second = fleet.start("det-b", *args)
         for handle in handles:
             result = handle.result(timeout=240)
             assert result.worker == "det-b"
-            with known_bf16_gap(True):
-                assert result.token_ids == want[handle.id], handle.id
+            assert result.token_ids == want[handle.id], handle.id
         assert second.wait(120) == 0, second.output()
     finally:
         client.close()

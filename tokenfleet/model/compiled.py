@@ -105,7 +105,7 @@ class CompiledSteps:
 
     def __init__(self, model: LlamaModel, mode: str) -> None:
         shape = model.shape
-        if shape.row_tile:  # a Python loop over a dynamic row count: eager only
+        if shape.row_tile or shape.min_rows:  # row counts bent in Python: eager only
             raise ValueError("deterministic row tiles run eagerly, not compiled")
         attn = [flatten_weights(a) for a, _ in model.layer_weights()]
         mlp = [flatten_weights(m) for _, m in model.layer_weights()]

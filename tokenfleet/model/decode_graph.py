@@ -104,7 +104,7 @@ class DecodeGraph:
     def __init__(self, model: LlamaModel, *, narrow: bool, mode: str = "default") -> None:
         """The graph for the narrow weight set (`narrow`: the ticks `model.is_narrow`
         sends there) or the dense one (every decode-only tick)."""
-        if model.shape.row_tile:
+        if model.shape.row_tile or model.shape.min_rows:
             raise ValueError("deterministic row tiles run eagerly, not compiled")
         if not paged_cpu.load():
             raise RuntimeError(f"the paged decode kernel did not build: {paged_cpu.failure()}")

@@ -11,16 +11,21 @@ greedy or seeded job's tokens follow them. Measured on the CPU this was built on
 - int8 weights: up to 16 rows run the packed kernel, more rows a dequantized bf16
   matmul, which rounds differently; fixed by the packed kernel at every row count
   (`LayerShape.one_kernel`);
-- dense matmuls whose kernel depends on the row count (float32 here: one row takes a
-  matrix-vector kernel, and the GEMM's blocking changes with M): each call is cut into
-  tiles of exactly `ROW_TILE` rows (`LayerShape.row_tile`). Where the probe finds the
-  kernel row-invariant as it is (bf16 here), no tiles and no cost.
+- dense matmuls whose kernel depends on the row count. Where only a one-row call
+  differs (bf16 on an AVX512-BF16 CPU without AMX: its matrix-vector kernel sums a
+  long row, K = 1,536, in another order), calls of one row get a zero row added
+  (`LayerShape.min_rows`); where the GEMM's blocking changes with M too (float32 here),
+  each call is cut into tiles of exactly `ROW_TILE` rows (`LayerShape.row_tile`).
+  Where the probe finds the kernel row-invariant as it is (bf16 on AVX2), nothing and
+  no cost.
 
-`make_deterministic` probes the model's own matrices for the last point and then checks
-the whole forward: a sequence's logits must be bitwise equal prefilled in one chunk, in
-two chunks beside other sequences, and decoded beside longer contexts. Where that fails
-(another CPU's kernels), it raises `DeterminismError` rather than promise what it
-cannot keep.
+`make_deterministic` probes the model's own matrices for the last point (every probe
+row alone, in prefixes and in shifted windows of a call, the rows' magnitudes spread
+as activations are: rounding that differs only on some data shows on some rows) and
+then checks the whole forward: a sequence's logits must be bitwise equal prefilled in
+one chunk, in two chunks beside other sequences, and decoded beside longer contexts.
+Where that fails (another CPU's kernels), it raises `DeterminismError` rather than
+promise what it cannot keep.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from tokenfleet.model.attention.exact import ExactBackend
+from tokenfleet.model.attention.exact import ExactBackend, bmm
 from tokenfleet.model.layers import LayerShape, Weight, linear
 from tokenfleet.model.quant import PackedWeight, weight_of
 from tokenfleet.model.tick_inputs import SeqInput
@@ -56,20 +61,37 @@ class DeterminismError(ValueError):
 @dataclass(frozen=True)
 class DeterminismReport:
     row_tile: int  # dense matmuls in calls of this many rows; 0: as they come
+    min_rows: int  # ... or of at least this many (zero rows added); 0: as they come
     attention: str  # the attention backend
     probe_s: float  # the probe and the check at load
 
     def as_fields(self) -> dict[str, object]:
-        return {"row_tile": self.row_tile, "attention": self.attention}
+        return {"row_tile": self.row_tile, "min_rows": self.min_rows, "attention": self.attention}
+
+
+# How dense matmuls are called, the cheapest first: as they come, one-row calls padded
+# to two rows, fixed tiles, one row at a time.
+_TILINGS = ((0, 0), (0, 2), (ROW_TILE, 0), (1, 0))
 
 
 def row_invariant(fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
     """Whether fn's result for a row of x [R, in] is the same bits whatever other rows
-    share the call: calls over prefixes and shifted windows of x against one over all."""
+    share the call: calls over every row alone, prefixes and shifted windows of x
+    against one over all."""
     full = fn(x)
-    return all(torch.equal(fn(x[:m]), full[:m]) for m in _PREFIXES) and all(
-        torch.equal(fn(x[s:]), full[s:]) for s in _SHIFTS
+    return (
+        all(torch.equal(fn(x[:m]), full[:m]) for m in _PREFIXES)
+        and all(torch.equal(fn(x[s:]), full[s:]) for s in _SHIFTS)
+        and all(torch.equal(fn(x[i : i + 1]), full[i : i + 1]) for i in range(x.shape[0]))
     )
+
+
+def probe_rows(rows: int, width: int, g: torch.Generator, dtype: torch.dtype) -> Tensor:
+    """[rows, width] inputs whose magnitudes spread over a few orders, as a layer's
+    activations do (a long tail of large values): a kernel that sums in another order
+    rounds to other bits on such rows far more often than on plain normal ones."""
+    x = torch.randn(rows, width, generator=g)
+    return (x * torch.exp(2 * torch.randn(rows, width, generator=g))).to(dtype)
 
 
 def _matrices(model: LlamaModel) -> list[Weight]:
@@ -78,27 +100,46 @@ def _matrices(model: LlamaModel) -> list[Weight]:
     return [attn.qkv, mlp.o, mlp.gate_up, mlp.down, weight_of(model.lm_head)]
 
 
-def choose_row_tile(model: LlamaModel) -> int:
-    """0 when every dense matrix's kernel is row-invariant here, else `ROW_TILE` (or 1,
-    one row per call, when even fixed tiles are not); `DeterminismError` when a
-    quantized matrix's packed kernel is not row-invariant."""
+def choose_tiling(model: LlamaModel) -> tuple[int, int]:
+    """(row_tile, min_rows): the first of `_TILINGS` under which every dense matrix's
+    kernel is row-invariant here; `DeterminismError` when none is, or when a quantized
+    matrix's packed kernel is not."""
     g = torch.Generator().manual_seed(0)
     dense = [w for w in _matrices(model) if isinstance(w, Tensor)]
     for w in _matrices(model):
         if isinstance(w, PackedWeight):
-            x = torch.randn(_PROBE_ROWS, w.in_features, generator=g).to(model.dtype)
+            x = probe_rows(_PROBE_ROWS, w.in_features, g, model.dtype)
             if not row_invariant(functools.partial(w.matmul, one_kernel=True), x):
                 raise DeterminismError(f"the {w.kind} kernel is not row-invariant here")
-    for tile in (0, ROW_TILE, 1):
-        shape = dataclasses.replace(model.shape, row_tile=tile)
-        if all(_invariant_linear(w, shape, g) for w in dense):
-            return tile
+    inputs = [probe_rows(_PROBE_ROWS, w.shape[1], g, w.dtype) for w in dense]
+    for tile, min_rows in _TILINGS:
+        shape = dataclasses.replace(model.shape, row_tile=tile, min_rows=min_rows)
+        if all(_invariant_linear(w, x, shape) for w, x in zip(dense, inputs, strict=True)):
+            return tile, min_rows
     raise DeterminismError(f"no row tiling makes {model.dtype} matmuls row-invariant here")
 
 
-def _invariant_linear(w: Tensor, shape: LayerShape, g: torch.Generator) -> bool:
-    x = torch.randn(_PROBE_ROWS, w.shape[1], generator=g).to(w.dtype)
+def _invariant_linear(w: Tensor, x: Tensor, shape: LayerShape) -> bool:
     return row_invariant(lambda rows: linear(rows, w, None, shape), x)
+
+
+def check_attention(model: LlamaModel, keys: int = 4096) -> None:
+    """The exact backend's two products at the model's head shape: a decode row's (its
+    G query heads) against the same query's in a 40-query chunk, over `keys` keys."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    heads = cfg.num_heads // cfg.num_kv_heads
+    q = probe_rows(heads * _PROBE_ROWS, cfg.head_dim, g, model.dtype)[None]  # [1, G*R, hd]
+    k = torch.randn(1, keys, cfg.head_dim, generator=g).to(model.dtype)
+    v = torch.randn(1, keys, cfg.head_dim, generator=g).to(model.dtype)
+    p = torch.softmax(3 * torch.randn(1, heads * _PROBE_ROWS, keys, generator=g), -1)
+    p = p.to(model.dtype)
+    for name, a, b in (("q @ K", q, k.transpose(1, 2)), ("probs @ V", p, v)):
+        full = bmm(a, b).view(heads, _PROBE_ROWS, -1)
+        chunk = a.view(heads, _PROBE_ROWS, -1)
+        for r in range(_PROBE_ROWS):
+            if not torch.equal(bmm(chunk[None, :, r].contiguous(), b)[0], full[:, r]):
+                raise DeterminismError(f"attention's {name} differs for a decode row here")
 
 
 def make_deterministic(model: LlamaModel) -> DeterminismReport:
@@ -108,10 +149,12 @@ def make_deterministic(model: LlamaModel) -> DeterminismReport:
     started = time.perf_counter()
     model.attention = ExactBackend()
     model.shape = dataclasses.replace(model.shape, one_kernel=True)
-    tile = choose_row_tile(model)
-    model.shape = dataclasses.replace(model.shape, row_tile=tile)
+    tile, min_rows = choose_tiling(model)
+    model.shape = dataclasses.replace(model.shape, row_tile=tile, min_rows=min_rows)
+    check_attention(model)
     check_forward(model)
-    report = DeterminismReport(tile, model.attention.name, time.perf_counter() - started)
+    took = time.perf_counter() - started
+    report = DeterminismReport(tile, min_rows, model.attention.name, took)
     model.deterministic = report
     return report
 

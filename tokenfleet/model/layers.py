@@ -24,11 +24,15 @@ Weight = Tensor | PackedWeight
 
 
 def linear(x: Tensor, w: Weight, bias: Tensor | None, s: LayerShape) -> Tensor:
-    """x [T, in] -> [T, out]. `s.row_tile` / `s.one_kernel`: the deterministic mode's
-    batch invariance (`tokenfleet.model.deterministic`); both off by default."""
+    """x [T, in] -> [T, out]. `s.row_tile` / `s.min_rows` / `s.one_kernel`: the
+    deterministic mode's batch invariance (`tokenfleet.model.deterministic`); all off by
+    default."""
     if isinstance(w, Tensor):
-        if s.row_tile and x.shape[0] != s.row_tile:
+        t = x.shape[0]
+        if s.row_tile and t != s.row_tile:
             return _tiled(x, w, bias, s.row_tile)
+        if t < s.min_rows:  # zero rows below: the many-row kernel, not the one-row one
+            return F.linear(F.pad(x, (0, 0, 0, s.min_rows - t)), w, bias)[:t]
         return F.linear(x, w, bias)
     y = w.matmul(x, one_kernel=s.one_kernel)
     return y if bias is None else y + bias
@@ -56,9 +60,11 @@ class LayerShape:
     scale_fp32: bool = False  # gemma: norms scale in fp32 too (`rms_norm`)
     query_scale: float = 1.0  # on q after rope (`ModelConfig.query_scale`)
     # Deterministic mode (`tokenfleet.model.deterministic`): dense matmuls in calls of
-    # exactly this many rows (0: as they come, the kernel is row-invariant already), and
-    # quantized ones through their packed kernel at any row count.
+    # exactly this many rows (0: as they come, the kernel is row-invariant already), or
+    # of at least `min_rows` (a CPU whose one-row kernel alone sums in another order),
+    # and quantized ones through their packed kernel at any row count.
     row_tile: int = 0
+    min_rows: int = 0
     one_kernel: bool = False
 
 
