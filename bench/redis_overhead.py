@@ -1,0 +1,165 @@
+"""What the fleet costs one stream: the default start's engine stepped in this process
+against a real `tokenfleet worker` through Redis, the same model, 2 threads, one run.
+
+Usage: python bench/redis_overhead.py [--rounds 3] [--new 256] [--threads 2]
+           [--out bench/out/redis_overhead.json] [--plot docs/img/redis_overhead.png]
+
+One stream of 32 prompt + `--new` tokens, greedy, eos ignored, fresh prompt ids each
+time; generation tok/s = (tokens - 2) / (last token - second token) on both sides:
+
+  in process   the worker's own model set-up (`worker.main._torch_model`: the engine
+               plan, its probe and compile) and `Engine.step` until the job ends;
+  via Redis    `tokenfleet worker --model M --threads T` (bench/_timed_worker.py: the
+               same worker with its loop's phases timed) on a redis-server of this
+               run's own, the job submitted with `Producer.submit` and followed with
+               `JobHandle.stream()`, as a client does.
+
+Rounds alternate the sides (ABBA). After the rounds the worker drains and reports its
+loop's wall time per tick: the engine's step, sending the tick's round trip (fenced
+writes, the read of what comes next), applying the last one's replies, and admitting.
+The difference between the sides is what the scheduler's Redis loop, redis-server and
+the client cost a stream on these cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _rounds import abba
+from report import (
+    figure,
+    loadavg,
+    machine_info,
+    mark_end,
+    outputs,
+    parser,
+    spread,
+    spread_errors,
+    write_json,
+)
+
+from tokenfleet.local import RedisServer
+from tokenfleet.producer import Producer
+from tokenfleet.protocol import GenerationRequest, SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+HERE = Path(__file__).resolve().parent
+
+
+def request(rng: random.Random, new: int) -> GenerationRequest:
+    return GenerationRequest(
+        job_id=f"overhead-{rng.getrandbits(48):x}",
+        prompt_ids=[rng.randrange(100, 40_000) for _ in range(32)],
+        max_new_tokens=new,
+        ignore_eos=True,
+        sampling=SamplingParams(temperature=0.0),
+    )
+
+
+def rate(stamps: list[float]) -> float:
+    return (len(stamps) - 2) / (stamps[-1] - stamps[1])
+
+
+def in_process(threads: int) -> Callable[[GenerationRequest], float]:
+    from tokenfleet.config.worker import WorkerSettings
+    from tokenfleet.worker.engine import Engine
+    from tokenfleet.worker.main import _torch_model, engine_config
+
+    settings = WorkerSettings(model=MODEL, threads=threads)
+    loaded, _, _ = _torch_model(settings)
+    engine = Engine(loaded, engine_config(settings))
+
+    def run(req: GenerationRequest) -> float:
+        assert engine.submit(req).accepted
+        stamps = []
+        while engine.has_work:
+            engine.step()
+            stamps.append(time.perf_counter())
+        return rate(stamps)
+
+    return run
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--new", type=int, default=256)
+    p.add_argument("--threads", type=int, default=2)
+    outputs(p, "redis_overhead")
+    args = p.parse_args()
+    machine = machine_info()
+    rng = random.Random(0)
+    server = RedisServer.launch()
+    timings = Path(tempfile.mkdtemp()) / "phases.json"
+    env = dict(os.environ, TIMED_WORKER_OUT=str(timings))
+    cmd = [sys.executable, str(HERE / "_timed_worker.py"), "worker", "--redis-url", server.url]
+    cmd += ["--model", MODEL, "--threads", str(args.threads), "--name", "overhead"]
+    log = open(Path(timings).with_name("worker.log"), "w")  # noqa: SIM115 (kept to the end)
+    worker = subprocess.Popen(cmd, env=env, stderr=log, stdout=log)
+    producer = Producer.from_url(server.url)
+    try:
+        local = in_process(args.threads)  # loads while the worker loads
+        while not producer.redis.exists(producer.keys.worker("overhead")):
+            if worker.poll() is not None:
+                raise SystemExit(f"the worker exited: {Path(log.name).read_text()[-2000:]}")
+            time.sleep(0.5)
+
+        def via_redis(req: GenerationRequest) -> float:
+            return rate([time.perf_counter() for _ in producer.submit(req).stream()])
+
+        sides: dict[str, Callable[[GenerationRequest], float]] = {
+            "in process": local,
+            "via Redis": via_redis,
+        }
+        for run in sides.values():  # warm-up
+            run(request(rng, 16))
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        loads = []
+        for r in range(args.rounds):
+            for name in abba(list(sides), r):
+                rates[name].append(sides[name](request(rng, args.new)))
+                loads.append(loadavg()[0])
+                print(f"round {r} {name:11} {rates[name][-1]:6.1f} tok/s", flush=True)
+    finally:
+        worker.terminate()
+        worker.wait(120)
+        producer.redis.close()
+        server.stop()
+    phases = json.loads(timings.read_text())
+    ticks = phases["tick"][1]
+    per_tick = {name: 1000 * s / ticks for name, (s, _) in phases.items()}
+    per_tick["loop outside the step"] = per_tick["iteration"] - per_tick["tick"]
+    report: dict[str, Any] = {
+        "model": MODEL,
+        "threads": args.threads,
+        "new_tokens": args.new,
+        "rounds": args.rounds,
+        "tok_s": {name: spread(v) for name, v in rates.items()},
+        "ratio_of_medians": spread(rates["via Redis"])["median"]
+        / spread(rates["in process"])["median"],
+        "worker_ms_per_tick": per_tick,
+        "worker_ticks": ticks,
+        "load_1min": spread(loads),
+        "machine": mark_end(machine),
+    }
+    print(json.dumps({k: report[k] for k in ("tok_s", "ratio_of_medians")}, indent=1))
+    print("worker ms per tick:", {k: round(v, 3) for k, v in per_tick.items()})
+    write_json(Path(args.out), report)
+    with figure(Path(args.plot), 1, 1, figsize=(5, 3.5)) as ax:
+        medians, err = spread_errors([report["tok_s"][n] for n in rates])
+        ax.bar(list(rates), medians, yerr=err, capsize=4)
+        ax.set_ylabel("generation tok/s (one stream)")
+        ax.set_title(f"{MODEL}, default start, {args.threads} threads")
+
+
+if __name__ == "__main__":
+    main()
