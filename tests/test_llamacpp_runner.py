@@ -360,7 +360,7 @@ def test_a_cached_prefix_nobody_holds_any_more_is_computed_again(
     """With no finished sequence kept (max_kept 0), the engine's cache still finds the
     system prompt's blocks, but no llama.cpp sequence holds their cells: the runner
     computes them again from the session's own tokens (each job's logprobs are its own
-    context's)."""
+    context's), and the jobs' usage reports no cached token: none was served."""
     requests = tutored(runner)
     kept, runner.max_kept = runner.max_kept, 0
     try:
@@ -369,8 +369,8 @@ def test_a_cached_prefix_nobody_holds_any_more_is_computed_again(
         served = served_with_logprobs(runner, requests, 1, cached)
     finally:
         runner.max_kept = kept
-    assert min(cached[r.job_id] for r in requests[1:]) >= 48, cached
-    assert runner.recomputed_tokens - recomputed == sum(cached.values())
+    assert runner.recomputed_tokens - recomputed >= 48 * (len(requests) - 1)
+    assert all(n == 0 for n in cached.values()), cached
     assert_own_context(runner, requests, served, "computed again")
 
 

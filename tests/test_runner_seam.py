@@ -103,6 +103,9 @@ class PagedFakeRunner:
                 tokens.append(next_token(context, sampling[sid].seed))  # type: ignore[arg-type]
         return tokens
 
+    def recomputed(self, session_id: str) -> int:
+        return 0
+
     def release(self, session_id: str) -> None:
         self.released.append(session_id)
         self.live.discard(session_id)

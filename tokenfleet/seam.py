@@ -244,6 +244,11 @@ class ModelRunner(Protocol):
         position p give the token at p + 1; the first prompt token has none). Raising
         means no token of this plan was sampled."""
 
+    def recomputed(self, session_id: str) -> int:
+        """Tokens of the session's cached prefix (`SeqState.num_cached`) this runner
+        computed again, not having them any more: they were not served from the cache
+        (its usage reports them as computed). 0 where the cache's blocks always serve."""
+
     def release(self, session_id: str) -> None:
         """Forget a session that ended or moved away (a no-op for one never executed)."""
 

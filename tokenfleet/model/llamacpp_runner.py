@@ -311,6 +311,7 @@ class LlamaCppRunner:
             len(self._free_kept),
         )
         self.recomputed_tokens = 0  # prefix tokens no kept sequence held any more
+        self._recomputed: dict[str, int] = {}  # ... by session, while it runs
         self.sampling = TickSampler()
 
     def _read_spec(self, lib: ModuleType) -> ModelSpec:
@@ -449,12 +450,16 @@ class LlamaCppRunner:
         between ticks when a neighbour takes cores, or leaves them)."""
         self.lib.llama_set_n_threads(self.ctx, n, n)
 
+    def recomputed(self, session_id: str) -> int:
+        return self._recomputed.get(session_id, 0)
+
     def release(self, session_id: str) -> None:
         """The session ended. With prefix sharing its sequence is kept with the cells of
         the blocks the engine registered in its cache (the rest go now; a block written
         again later drops its cells too), the oldest kept one dropped past `max_kept`;
         else its cells go now."""
         self.sampling.release(session_id)
+        self._recomputed.pop(session_id, None)
         state = self._states.pop(session_id, None)
         sid = self._seq_ids.pop(session_id, None)
         if sid is None:
@@ -515,10 +520,10 @@ class LlamaCppRunner:
                 if lender is None:
                     lost.append(first)
                     continue
-                self._recompute(sid, entry.seq.all_ids, lost)
+                self._recompute(sid, entry.seq, lost)
                 lost = []
                 self.lib.llama_memory_seq_cp(self.memory, lender, sid, first, first + size)
-            self._recompute(sid, entry.seq.all_ids, lost)
+            self._recompute(sid, entry.seq, lost)
             for first in range(end, start, size):
                 self._cells_of.add(table[first // size], first, sid)
             self._ends[sid] = start
@@ -529,11 +534,12 @@ class LlamaCppRunner:
             for stale in self._cells_of.write(table[first // size], first, sid):
                 self._forget(stale)
 
-    def _recompute(self, sid: int, ids: list[int], firsts: list[int]) -> None:
+    def _recompute(self, sid: int, seq: SeqState, firsts: list[int]) -> None:
         """Compute the KV of consecutive blocks starting at `firsts` for the sequence
         (its cells end at firsts[0]), in batches of the runner's size, no logits."""
         if not firsts:
             return
+        ids = seq.all_ids
         size = self._block_size
         start, stop = firsts[0], firsts[-1] + size
         cap = len(self._token)
@@ -552,6 +558,7 @@ class LlamaCppRunner:
                     f"({_DECODE_ERRORS.get(code, 'error')})"
                 )
         self.recomputed_tokens += stop - start
+        self._recomputed[seq.session_id] = self._recomputed.get(seq.session_id, 0) + stop - start
 
     def _cut(self, sid: int, start: int) -> None:
         """Remove the sequence's cells from `start` on."""

@@ -122,6 +122,9 @@ class TorchRunner:
                 logits = logits[sample_rows]
         return self.sampling.finish(plan, sampling, masks, states, logits, prompt, echoes)
 
+    def recomputed(self, session_id: str) -> int:
+        return 0  # the plan's block tables address the pool: a cached block is there
+
     def release(self, session_id: str) -> None:
         self.sampling.release(session_id)
 

@@ -613,6 +613,7 @@ class Engine:
         """Free what the session holds here: its KV (scheduler) and runner state."""
         if self.sessions.pop(session.job_id, None) is not None:
             self.scheduler.finish(session.job_id)
+            session.recomputed = self.runner.recomputed(session.job_id)
             self.runner.release(session.job_id)
         elif session in self.waiting:
             self.waiting.remove(session)

@@ -183,6 +183,7 @@ class Session:
     submitted_at: float  # unix seconds, from the job's state (for timings)
     scratch_bytes: int
     seq: SeqState | None = None  # set once admitted into the scheduler
+    recomputed: int = 0  # of seq.num_cached, tokens the runner computed again (usage)
     emitted: list[int] = field(default_factory=list)  # token ids of events 0..n-1
     events: list[TokenEvent] = field(default_factory=list)
     admitted_at: float | None = None
@@ -318,6 +319,7 @@ class Session:
             total_s=now - self.submitted_at,
         )
         cached = 0 if self.seq is None else min(self.seq.num_cached, len(self.prompt_ids))
+        cached = max(0, cached - self.recomputed)
         usage = Usage(
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.emitted),
