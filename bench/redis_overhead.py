@@ -2,6 +2,7 @@
 against a real `tokenfleet worker` through Redis, the same model, 2 threads, one run.
 
 Usage: python bench/redis_overhead.py [--rounds 3] [--new 256] [--threads 2]
+           [--workers 'via Redis=,spin 30k=GOMP_SPINCOUNT=30000']
            [--out bench/out/redis_overhead.json] [--plot docs/img/redis_overhead.png]
 
 One stream of 32 prompt + `--new` tokens, greedy, eos ignored, fresh prompt ids each
@@ -14,7 +15,9 @@ time; generation tok/s = (tokens - 2) / (last token - second token) on both side
                run's own, the job submitted with `Producer.submit` and followed with
                `JobHandle.stream()`, as a client does.
 
-Rounds alternate the sides (ABBA). After the rounds the worker drains and reports its
+`--workers` starts one worker per entry, NAME=ENV (space-separated VAR=VALUE pairs set
+in that worker's environment only, e.g. OpenMP's), each on a key prefix of its own.
+Rounds alternate the sides (ABBA). After the rounds each worker drains and reports its
 loop's wall time per tick: the engine's step, sending the tick's round trip (fenced
 writes, the read of what comes next), applying the last one's replies, and admitting.
 The difference between the sides is what the scheduler's Redis loop, redis-server and
@@ -94,32 +97,42 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workers", default="via Redis=")
     outputs(p, "redis_overhead")
     args = p.parse_args()
     machine = machine_info()
     rng = random.Random(0)
     server = RedisServer.launch()
-    timings = Path(tempfile.mkdtemp()) / "phases.json"
-    env = dict(os.environ, TIMED_WORKER_OUT=str(timings))
-    cmd = [sys.executable, str(HERE / "_timed_worker.py"), "worker", "--redis-url", server.url]
-    cmd += ["--model", MODEL, "--threads", str(args.threads), "--name", "overhead"]
-    log = open(Path(timings).with_name("worker.log"), "w")  # noqa: SIM115 (kept to the end)
-    worker = subprocess.Popen(cmd, env=env, stderr=log, stdout=log)
-    producer = Producer.from_url(server.url)
+    tmp = Path(tempfile.mkdtemp())
+    envs = dict(entry.split("=", 1) for entry in args.workers.split(","))
+    workers: dict[str, tuple[subprocess.Popen[bytes], Producer, Path]] = {}
     try:
-        local = in_process(args.threads)  # loads while the worker loads
-        while not producer.redis.exists(producer.keys.worker("overhead")):
-            if worker.poll() is not None:
-                raise SystemExit(f"the worker exited: {Path(log.name).read_text()[-2000:]}")
-            time.sleep(0.5)
+        for n, (name, extra) in enumerate(envs.items()):
+            timings = tmp / f"phases-{n}.json"
+            env = dict(os.environ, TIMED_WORKER_OUT=str(timings))
+            env.update(pair.split("=", 1) for pair in extra.split())
+            prefix = f"overhead{n}"
+            cmd = [sys.executable, str(HERE / "_timed_worker.py"), "worker"]
+            cmd += ["--redis-url", server.url, "--prefix", prefix, "--name", prefix]
+            cmd += ["--model", MODEL, "--threads", str(args.threads)]
+            log = open(tmp / f"worker-{n}.log", "w")  # noqa: SIM115 (kept to the end)
+            proc = subprocess.Popen(cmd, env=env, stderr=log, stdout=log)
+            workers[name] = (proc, Producer.from_url(server.url, prefix=prefix), timings)
+        local = in_process(args.threads)  # loads while the workers load
+        for n, (name, (proc, producer, _)) in enumerate(workers.items()):
+            while not producer.redis.exists(producer.keys.worker(f"overhead{n}")):
+                if proc.poll() is not None:
+                    raise SystemExit(f"worker {name!r} exited: see {tmp}")
+                time.sleep(0.5)
 
-        def via_redis(req: GenerationRequest) -> float:
-            return rate([time.perf_counter() for _ in producer.submit(req).stream()])
+        def via(producer: Producer) -> Callable[[GenerationRequest], float]:
+            def run(req: GenerationRequest) -> float:
+                return rate([time.perf_counter() for _ in producer.submit(req).stream()])
 
-        sides: dict[str, Callable[[GenerationRequest], float]] = {
-            "in process": local,
-            "via Redis": via_redis,
-        }
+            return run
+
+        sides: dict[str, Callable[[GenerationRequest], float]] = {"in process": local}
+        sides.update({name: via(producer) for name, (_, producer, _) in workers.items()})
         for run in sides.values():  # warm-up
             run(request(rng, 16))
         rates: dict[str, list[float]] = {name: [] for name in sides}
@@ -130,33 +143,45 @@ def main() -> None:
                 loads.append(loadavg()[0])
                 print(f"round {r} {name:11} {rates[name][-1]:6.1f} tok/s", flush=True)
     finally:
-        worker.terminate()
-        worker.wait(120)
-        producer.redis.close()
+        for proc, producer, _ in workers.values():
+            proc.terminate()
+            proc.wait(120)
+            producer.redis.close()
         server.stop()
-    phases = json.loads(timings.read_text())
-    ticks = phases["tick"][1]
-    per_tick = {name: 1000 * s / ticks for name, (s, _) in phases.items()}
-    per_tick["loop outside the step"] = per_tick["iteration"] - per_tick["tick"]
+    per_tick: dict[str, dict[str, float]] = {}
+    for name, (_, _, timings) in workers.items():
+        phases = json.loads(timings.read_text())
+        ticks = phases["tick"][1]
+        per_tick[name] = {phase: 1000 * s / ticks for phase, (s, _) in phases.items()}
+        per_tick[name]["loop outside the step"] = (
+            per_tick[name]["iteration"] - per_tick[name]["tick"]
+        )
+        per_tick[name]["ticks"] = ticks
+    medians = {name: spread(v)["median"] for name, v in rates.items()}
     report: dict[str, Any] = {
         "model": MODEL,
         "threads": args.threads,
         "new_tokens": args.new,
         "rounds": args.rounds,
+        "workers": envs,
         "tok_s": {name: spread(v) for name, v in rates.items()},
-        "ratio_of_medians": spread(rates["via Redis"])["median"]
-        / spread(rates["in process"])["median"],
+        "ratio_to_in_process": {n: m / medians["in process"] for n, m in medians.items()},
         "worker_ms_per_tick": per_tick,
-        "worker_ticks": ticks,
         "load_1min": spread(loads),
         "machine": mark_end(machine),
     }
-    print(json.dumps({k: report[k] for k in ("tok_s", "ratio_of_medians")}, indent=1))
-    print("worker ms per tick:", {k: round(v, 3) for k, v in per_tick.items()})
+    for name, row in report["tok_s"].items():
+        ratio = report["ratio_to_in_process"][name]
+        print(
+            f"{name:12} {row['median']:6.1f} ({row['min']:.1f}-{row['max']:.1f}) tok/s, "
+            f"{ratio:.3f}x in process"
+        )
+    for name, phases in per_tick.items():
+        print(f"{name}: worker ms per tick", {k: round(v, 3) for k, v in phases.items()})
     write_json(Path(args.out), report)
-    with figure(Path(args.plot), 1, 1, figsize=(5, 3.5)) as ax:
-        medians, err = spread_errors([report["tok_s"][n] for n in rates])
-        ax.bar(list(rates), medians, yerr=err, capsize=4)
+    with figure(Path(args.plot), 1, 1, figsize=(2 + 1.5 * len(rates), 3.5)) as ax:
+        bars, err = spread_errors([report["tok_s"][n] for n in rates])
+        ax.bar(list(rates), bars, yerr=err, capsize=4)
         ax.set_ylabel("generation tok/s (one stream)")
         ax.set_title(f"{MODEL}, default start, {args.threads} threads")
 
