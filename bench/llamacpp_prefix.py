@@ -30,6 +30,7 @@ from tokenfleet.model.llamacpp_runner import LlamaCppOptions, LlamaCppRunner
 from tokenfleet.model.smollm2 import require_smollm2_gguf
 from tokenfleet.protocol import GenerationRequest, SamplingParams
 from tokenfleet.worker.engine import Engine, EngineConfig
+from tokenfleet.worker.main import llamacpp_options
 
 TEXT = (
     "answer every question briefly and kindly using plain words a child would know "
@@ -67,15 +68,7 @@ def measure(setting: str, requests: list[GenerationRequest]) -> dict[str, Any]:
     config = EngineConfig(
         max_active=2, max_batch_size=2, max_waiting=len(requests), prefix_cache=cache
     )
-    options = LlamaCppOptions(
-        kv_budget_bytes=config.kv_budget_bytes,
-        block_size=config.block_size,
-        max_sequences=config.max_active,
-        max_tick_tokens=config.max_batch_size + config.max_prefill_tokens_per_tick,
-        threads=2,
-        prefix_sharing=cache,
-    )
-    runner = LlamaCppRunner(require_smollm2_gguf(), options)
+    runner = LlamaCppRunner(require_smollm2_gguf(), llamacpp_options(config, threads=2))
     try:
         engine = Engine(runner, config)
         start = time.perf_counter()

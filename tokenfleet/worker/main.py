@@ -35,8 +35,16 @@ from tokenfleet.worker.threads import ThreadGovernor
 if TYPE_CHECKING:
     from tokenfleet.model.auto import EnginePlan
     from tokenfleet.model.build import LoadedModel
+    from tokenfleet.model.llamacpp_runner import LlamaCppOptions
 
-__all__ = ["InvalidBudget", "build_worker", "engine_config", "fault_on_metadata", "worker_options"]
+__all__ = [
+    "InvalidBudget",
+    "build_worker",
+    "engine_config",
+    "fault_on_metadata",
+    "llamacpp_options",
+    "worker_options",
+]
 
 logger = logging.getLogger(__name__)
 MiB = 1024 * 1024
@@ -191,13 +199,29 @@ def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], No
     return runner, info, None
 
 
+def llamacpp_options(engine: EngineConfig, threads: int | None) -> LlamaCppOptions:
+    """llama.cpp's context sized to what the engine will plan: the KV budget in cells,
+    a sequence per active session, a batch as large as a tick's rows; prefix sharing as
+    the engine's prefix cache says (`threads` None: llama.cpp's default, governed)."""
+    from tokenfleet.model.llamacpp_runner import LlamaCppOptions
+
+    return LlamaCppOptions(
+        kv_budget_bytes=engine.kv_budget_bytes,
+        block_size=engine.block_size,
+        max_sequences=engine.max_active,
+        max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
+        threads=threads,
+        prefix_sharing=engine.prefix_cache,
+    )
+
+
 def _llamacpp_runner(
     settings: WorkerSettings, engine: EngineConfig
 ) -> tuple[ModelRunner, dict[str, Any], ThreadGovernor | None]:
     """The model on llama.cpp, sized to the node's budget, what the heartbeat says about
     it, and a thread governor over llama.cpp's threads unless `settings.threads` pins
     them (its threads wait for each other at every op, as torch's do: worker/threads.py)."""
-    from tokenfleet.model.llamacpp_runner import LlamaCppOptions, LlamaCppRunner
+    from tokenfleet.model.llamacpp_runner import LlamaCppRunner
     from tokenfleet.model.loader import preset_file
 
     unsupported = [
@@ -215,15 +239,7 @@ def _llamacpp_runner(
             f"--runner llamacpp serves the file's own quantization on the CPU: "
             f"{', '.join(unsupported)} do not apply to it"
         )
-    options = LlamaCppOptions(
-        kv_budget_bytes=engine.kv_budget_bytes,
-        block_size=engine.block_size,
-        max_sequences=engine.max_active,
-        max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
-        threads=settings.threads,
-        prefix_sharing=engine.prefix_cache,
-    )
-    runner = LlamaCppRunner(preset_file(settings.model), options)
+    runner = LlamaCppRunner(preset_file(settings.model), llamacpp_options(engine, settings.threads))
     # torch only samples here (a few rows a tick): one thread, so that no OpenMP pool
     # spins beside llama.cpp's own threads between ticks
     import torch
