@@ -8,7 +8,7 @@ Usage: python bench/redis_overhead.py [--rounds 3] [--new 256] [--threads 2]
 One stream of 32 prompt + `--new` tokens, greedy, eos ignored, fresh prompt ids each
 time; generation tok/s = (tokens - 2) / (last token - second token) on both sides:
 
-  in process   the worker's own model set-up (`worker.main._torch_model`: the engine
+  in process   the worker's own model set-up (`worker.main.torch_model`: the engine
                plan, its probe and compile) and `Engine.step` until the job ends;
   via Redis    `tokenfleet worker --model M --threads T` (bench/_timed_worker.py: the
                same worker with its loop's phases timed) on a redis-server of this
@@ -75,10 +75,10 @@ def rate(stamps: list[float]) -> float:
 def in_process(threads: int) -> Callable[[GenerationRequest], float]:
     from tokenfleet.config.worker import WorkerSettings
     from tokenfleet.worker.engine import Engine
-    from tokenfleet.worker.main import _torch_model, engine_config
+    from tokenfleet.worker.main import engine_config, torch_model
 
     settings = WorkerSettings(model=MODEL, threads=threads)
-    loaded, _, _ = _torch_model(settings)
+    loaded, _, _ = torch_model(settings)
     engine = Engine(loaded, engine_config(settings))
 
     def run(req: GenerationRequest) -> float:

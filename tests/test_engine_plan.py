@@ -75,6 +75,51 @@ def test_paged_kernel_with_its_own_new_key_equals_it_written_first() -> None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@needs_kernel
+def test_paged_kernel_rows_do_not_depend_on_the_tick_or_the_threads() -> None:
+    """The kernel splits a tick into (row, KV head) jobs between threads: a row's bits are
+    the same alone or beside seven others, on one thread or two, with contexts long
+    enough (1,000 keys) that both threads get jobs."""
+    torch.manual_seed(2)
+    layers, blocks, bs, kvh, hd, heads = 1, 512, 16, 3, 64, 9
+    k_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=torch.bfloat16)
+    v_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=torch.bfloat16)
+    rows = 8
+    tables = torch.randperm(blocks)[: rows * 64].view(rows, 64).to(torch.int32)
+    past = torch.tensor([1000, 3, 700, 1017, 64, 512, 999, 250])
+    q = torch.randn(rows, heads, hd, dtype=torch.bfloat16)
+    k_new = torch.randn(rows, kvh, hd, dtype=torch.bfloat16)
+    v_new = torch.randn(rows, kvh, hd, dtype=torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            tick = paged_cpu.decode_attention(
+                q, k_pool, v_pool, k_new, v_new, tables, past, 0, bs, 0
+            )
+            alone = [
+                paged_cpu.decode_attention(
+                    q[r : r + 1],
+                    k_pool,
+                    v_pool,
+                    k_new[r : r + 1],
+                    v_new[r : r + 1],
+                    tables[r : r + 1],
+                    past[r : r + 1],
+                    0,
+                    bs,
+                    0,
+                )
+                for r in range(rows)
+            ]
+            assert torch.equal(tick, torch.cat(alone)), f"{n} thread(s)"
+            outs.append(tick)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
 # ---- narrow weights and the decode graph ----------------------------------------------
 
 

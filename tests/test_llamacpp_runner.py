@@ -163,9 +163,11 @@ def served_with_logprobs(
     requests: list[GenerationRequest],
     concurrency: int,
     cached: dict[str, int] | None = None,
+    telemetry: dict[str, object] | None = None,
 ) -> dict[str, list[tuple[int, float]]]:
     """Each job's (token, its logprob as the batched run computed it); `cached` gets
-    each job's prompt tokens the prefix cache supplied."""
+    each job's prompt tokens the prefix cache supplied, `telemetry` the engine's at the
+    end."""
     asking = [
         r.model_copy(update={"sampling": r.sampling.model_copy(update={"logprobs": 0})})
         for r in requests
@@ -189,6 +191,8 @@ def served_with_logprobs(
             out[event.job_id].append((event.token_id, event.logprobs.logprob))
         if cached is not None:
             cached.update({f.job_id: f.result.usage.cached_tokens for f in step.finished})
+    if telemetry is not None:
+        telemetry.update(engine.telemetry())
     return out
 
 
@@ -360,17 +364,21 @@ def test_a_cached_prefix_nobody_holds_any_more_is_computed_again(
     """With no finished sequence kept (max_kept 0), the engine's cache still finds the
     system prompt's blocks, but no llama.cpp sequence holds their cells: the runner
     computes them again from the session's own tokens (each job's logprobs are its own
-    context's), and the jobs' usage reports no cached token: none was served."""
+    context's), and the jobs' usage reports no cached token: none was served. The
+    engine's telemetry counts them (`prefix_cache_recomputed`) beside the hits."""
     requests = tutored(runner)
     kept, runner.max_kept = runner.max_kept, 0
     try:
         recomputed = runner.recomputed_tokens
         cached: dict[str, int] = {}
-        served = served_with_logprobs(runner, requests, 1, cached)
+        telemetry: dict[str, object] = {}
+        served = served_with_logprobs(runner, requests, 1, cached, telemetry)
     finally:
         runner.max_kept = kept
     assert runner.recomputed_tokens - recomputed >= 48 * (len(requests) - 1)
     assert all(n == 0 for n in cached.values()), cached
+    assert telemetry["prefix_cache_recomputed"] == runner.recomputed_tokens - recomputed
+    assert telemetry["prefix_cache_hits"] == telemetry["prefix_cache_recomputed"]
     assert_own_context(runner, requests, served, "computed again")
 
 

@@ -134,7 +134,10 @@ def test_metrics_count_what_the_worker_served(fleet: Fleet, r: redis.Redis) -> N
         )
     hits = ("tokenfleet_prefix_cache_hits_total", ())
     wait_for(lambda: scrape(port).get(hits) == 32, 30, "32 prefix-cache hit tokens")
-    assert scrape(port)[("tokenfleet_prefix_cache_queries_total", ())] == prompt_tokens + 82
+    page_now = scrape(port)
+    assert page_now[("tokenfleet_prefix_cache_queries_total", ())] == prompt_tokens + 82
+    # the torch runner serves every hit from the pool: none computed again
+    assert page_now[("tokenfleet_prefix_cache_recomputed_total", ())] == 0
     # beyond the model's context length (2048): refused by the worker's admission
     too_long = producer.submit(prompt_ids=[1] * 10, max_new_tokens=8000, job_id="never-fits")
     with pytest.raises(JobRejected, match="context length"):

@@ -57,6 +57,9 @@ class PrefixCacheStats:
     queries_blocks: int = 0
     hits_blocks: int = 0
     evictions: int = 0  # cached blocks reclaimed for fresh allocations
+    # of the hits, tokens the runner had to compute again (`ModelRunner.recomputed`: the
+    # llama.cpp runner, where no kept sequence held the block's cells any more)
+    recomputed_tokens: int = 0
 
     def as_fields(self) -> dict[str, int | float]:
         return {
@@ -66,6 +69,7 @@ class PrefixCacheStats:
             "prefix_cache_queries_blocks": self.queries_blocks,
             "prefix_cache_hits_blocks": self.hits_blocks,
             "prefix_cache_evictions": self.evictions,
+            "prefix_cache_recomputed": self.recomputed_tokens,
         }
 
 

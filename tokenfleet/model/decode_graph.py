@@ -25,6 +25,7 @@ torch specialises); the warm-up compiles both.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,24 @@ def _tick(
     return normed, torch.stack(ks), torch.stack(vs)
 
 
+def cpp_wrapper() -> bool:
+    """Whether the graph's calls are made from C++ (inductor's `cpp_wrapper`): a tick's
+    ~270 calls (fused loops, the int4 / int8 kernels, the attention op) from one
+    compiled C++ function instead of a generated Python one. On SmolLM2 at one row that
+    is 0.6-0.7 ms of a 5.5-6.3 ms tick (bench/tick_profile.py, EPYC Zen 5); the cost is
+    a C++ compile of the wrapper at the first start (inductor caches it). On unless
+    `TOKENFLEET_DECODE_CPP_WRAPPER=0`."""
+    return os.environ.get("TOKENFLEET_DECODE_CPP_WRAPPER", "1") != "0"
+
+
+def _how(mode: str) -> dict[str, Any]:
+    """torch.compile's mode or options (it takes one or the other): the C++ wrapper
+    in the default mode, else the mode as given (CUDA's reduce-overhead)."""
+    if mode == "default" and cpp_wrapper():
+        return {"options": {"cpp_wrapper": True}}
+    return {"mode": mode}
+
+
 class DecodeGraph:
     """The whole-tick compiled decode of one model (see the module docstring)."""
 
@@ -133,7 +152,7 @@ class DecodeGraph:
         self._model = model
         # Dynamic in the tick's rows, its tables' width and the pool's slots only: the
         # weights' shapes stay constants the generated loops are specialised on.
-        self._fn = torch.compile(_tick, dynamic=False, fullgraph=True, mode=mode)
+        self._fn = torch.compile(_tick, dynamic=False, fullgraph=True, **_how(mode))
 
     def serves(self, seqs: Sequence[SeqInput], narrow: bool) -> bool:
         """Whether a forward over `seqs` runs here: every seq a decode, on this set."""

@@ -614,6 +614,7 @@ class Engine:
         if self.sessions.pop(session.job_id, None) is not None:
             self.scheduler.finish(session.job_id)
             session.recomputed = self.runner.recomputed(session.job_id)
+            self.blocks.stats.recomputed_tokens += session.recomputed
             self.runner.release(session.job_id)
         elif session in self.waiting:
             self.waiting.remove(session)

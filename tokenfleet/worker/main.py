@@ -131,7 +131,7 @@ def build_worker(settings: WorkerSettings) -> Worker:
     elif settings.runner == "llamacpp":
         model, info, governor = _llamacpp_runner(settings, engine)
     else:
-        model, info, governor = _torch_model(settings)
+        model, info, governor = torch_model(settings)
     options = worker_options(settings, info)
     fault = fault_on_metadata(settings.fault_key) if settings.fault_key is not None else None
     try:
@@ -146,7 +146,7 @@ def build_worker(settings: WorkerSettings) -> Worker:
     return Worker(core, client, settings.keys(), options, metrics)
 
 
-def _torch_model(
+def torch_model(
     settings: WorkerSettings,
 ) -> tuple[LoadedModel, dict[str, Any], ThreadGovernor | None]:
     """The model loaded (and compiled where asked), what the heartbeat says about it, and

@@ -60,6 +60,12 @@ class WorkerMetrics:
             labels,
             registry=r,
         )
+        self.prefix_recomputed = Counter(
+            "tokenfleet_prefix_cache_recomputed",
+            "Prefix cache hits' tokens the runner computed again (no cells held them)",
+            labels,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "tokenfleet_prompt_tokens", "Prefill tokens computed", labels, registry=r
         )
@@ -118,7 +124,8 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        for counter in (self.prefix_queries, self.prefix_hits, self.prefix_evictions):
+        prefix = (self.prefix_queries, self.prefix_hits, self.prefix_evictions)
+        for counter in (*prefix, self.prefix_recomputed):
             counter.labels(**self._labels)  # present from the first scrape, at 0
         for reason in FinishReason:
             self.finished.labels(**self._labels, finished_reason=str(reason))
@@ -127,7 +134,7 @@ class WorkerMetrics:
                 self.rejections.labels(**self._labels, reason=str(admission))
         self._last_token_at: dict[str, float] = {}
         self._rejected_seen: dict[str, int] = {}
-        self._prefix_seen = (0, 0, 0)  # queries, hits, evictions already counted
+        self._prefix_seen = (0, 0, 0, 0)  # queries, hits, evictions, recomputed counted
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
@@ -149,8 +156,18 @@ class WorkerMetrics:
         self.kv_usage.labels(**lab).set(blocks.num_in_use_blocks / max(1, blocks.num_blocks))
         self.kv_cached.labels(**lab).set(blocks.num_cached_blocks / max(1, blocks.num_blocks))
         stats = blocks.stats
-        now_seen = (stats.queries_tokens, stats.hits_tokens, stats.evictions)
-        counters = (self.prefix_queries, self.prefix_hits, self.prefix_evictions)
+        now_seen = (
+            stats.queries_tokens,
+            stats.hits_tokens,
+            stats.evictions,
+            stats.recomputed_tokens,
+        )
+        counters = (
+            self.prefix_queries,
+            self.prefix_hits,
+            self.prefix_evictions,
+            self.prefix_recomputed,
+        )
         for counter, new, old in zip(counters, now_seen, self._prefix_seen, strict=True):
             if new > old:
                 counter.labels(**lab).inc(new - old)

@@ -63,15 +63,17 @@ void decode_attention_impl(
   const int64_t* pp = past.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
 
-  // small ticks run on the calling thread: waking the pool costs more than the work
+  // A job is one row's KV head (its G query heads), the unit split between threads:
+  // a one-row tick still has KVH of them to share. A thread's jobs are consecutive, so
+  // one row's heads mostly go to one thread and it streams whole cache lines of the
+  // pool (a row's keys of all heads lie side by side). Small ticks run on the calling
+  // thread: waking the pool costs more than the work.
   int64_t longest = 1;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, pp[b] + 1);
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (longest * hd * G * KVH));
-  // one row per job, its KV heads in turn: a row's keys of all heads lie side by side
-  // in the pool, so a job streams whole cache lines instead of a third of each
-  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (longest * hd * G));
+  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), row(hd), scores, total(G);
-    for (int64_t job = begin * KVH; job < end * KVH; ++job) {
+    for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, kh = job % KVH;
       const int64_t n = pp[b];
       // the query sits at position n when its own key is given (not in the pool yet),

@@ -1,0 +1,173 @@
+"""Where a decode tick's time goes: the default start's engine (the worker's own model
+set-up) stepped in this process with B sessions decoding, the tick split into the
+matmuls and everything else.
+
+Usage: python bench/tick_profile.py [--batches 1,8] [--ticks 40] [--threads 2]
+           [--rounds 3] [--inductor 'cpp_wrapper=True,...'] [--out bench/out/tick_profile.json]
+           [--plot docs/img/tick_profile.png]
+
+For each batch size B: B jobs (32 fresh prompt tokens, greedy, eos ignored, long enough
+to outlast the run) are admitted and stepped until every one of them decodes. Then, in
+`--rounds` rounds:
+
+  timed     `--ticks` ticks of `Engine.step`, the model's forward timed inside each
+            (wall clock, no profiler): tick ms and forward ms;
+  profiled  the same number of ticks under torch.profiler (CPU, no shapes), each op's
+            self time summed by name and divided by the ticks.
+
+The matmuls are the self time of the weight ops (torch's int4 / int8 packed kernels,
+`mm`, `addmm`, `linear`'s dense calls); "outside the matmuls" is the timed forward minus
+that (issue 25 part 2's measure: attention, norms, rope, KV writes, the compiled graph's
+own code and guards), and "outside the forward" is the tick minus the forward (sampling,
+scheduling, bookkeeping). The profiled ops' top entries are recorded as the profile of
+what remains. The profiler's own cost lands in the profiled ticks only, never in the
+timed split. `--inductor NAME=VALUE,...` sets torch._inductor.config fields before the
+model compiles (to try a setting; the worker sets none of them).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from _common import random_request
+from report import figure, machine_info, mark_end, outputs, parser, spread, write_json
+
+from tokenfleet.protocol import SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+# the ops that multiply by a weight matrix (their self time is the kernel's)
+MATMULS = (
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::_weight_int8pack_mm",
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+)
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--ticks", type=int, default=40)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--inductor", default="", help="torch._inductor.config NAME=VALUE,...")
+    outputs(p, "tick_profile")
+    args = p.parse_args()
+    machine = machine_info()
+
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch.profiler import ProfilerActivity, profile
+
+    inductor: dict[str, Any] = {}
+    for pair in filter(None, args.inductor.split(",")):
+        name, value = pair.split("=", 1)
+        inductor[name] = {"True": True, "False": False}.get(value, value)
+        setattr(inductor_config, name, inductor[name])
+
+    from tokenfleet.config.worker import WorkerSettings
+    from tokenfleet.worker.engine import Engine
+    from tokenfleet.worker.main import engine_config, torch_model
+
+    settings = WorkerSettings(model=MODEL, threads=args.threads)
+    loaded, info, _ = torch_model(settings)
+    model: Any = loaded.model
+    forward_s: list[float] = []
+    plain_forward = model.forward
+
+    def timed_forward(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return plain_forward(*a, **k)
+        finally:
+            forward_s.append(time.perf_counter() - t0)
+
+    model.forward = timed_forward
+    rng = random.Random(0)
+    results: dict[str, Any] = {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        engine = Engine(loaded, engine_config(settings))
+        new = 64 + args.rounds * 2 * args.ticks
+        for _ in range(batch):
+            job = random_request(f"tick-{rng.getrandbits(48):x}", 32, new, rng)
+            greedy = job.model_copy(update={"sampling": SamplingParams(temperature=0.0)})
+            assert engine.submit(greedy).accepted
+        for _ in range(200):  # until every session decodes
+            engine.step()
+            live = engine.sessions.values()
+            if len(live) == batch and all(len(s.emitted) >= 2 for s in live):
+                break
+        for _ in range(5):  # warm (the decode graph's shape for this batch)
+            engine.step()
+        tick_ms: list[float] = []
+        fwd_ms: list[float] = []
+        ops: dict[str, list[float]] = defaultdict(list)
+        for _ in range(args.rounds):
+            forward_s.clear()
+            t0 = time.perf_counter()
+            for _ in range(args.ticks):
+                engine.step()
+            tick_ms.append(1000 * (time.perf_counter() - t0) / args.ticks)
+            fwd_ms.append(1000 * sum(forward_s) / args.ticks)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(args.ticks):
+                    engine.step()
+            totals: dict[str, float] = defaultdict(float)
+            for event in prof.key_averages():
+                totals[event.key] += event.self_cpu_time_total / 1000 / args.ticks
+            for key, value in totals.items():
+                ops[key].append(value)
+        median_ops = {k: spread(v)["median"] for k, v in ops.items() if len(v) == args.rounds}
+        matmul = sum(median_ops.get(k, 0.0) for k in MATMULS)
+        tick, fwd = spread(tick_ms), spread(fwd_ms)
+        top = sorted(median_ops.items(), key=lambda kv: -kv[1])[:20]
+        results[str(batch)] = {
+            "tick_ms": tick,
+            "forward_ms": fwd,
+            "matmul_ms": matmul,
+            "outside_matmuls_ms": fwd["median"] - matmul,
+            "outside_forward_ms": tick["median"] - fwd["median"],
+            "profile_ms_per_tick": dict(top),
+        }
+        print(
+            f"batch {batch}: tick {tick['median']:.2f} ms ({tick['min']:.2f}-{tick['max']:.2f}),"
+            f" forward {fwd['median']:.2f}, matmuls {matmul:.2f},"
+            f" outside the matmuls {fwd['median'] - matmul:.2f},"
+            f" outside the forward {tick['median'] - fwd['median']:.2f}",
+            flush=True,
+        )
+        for name, value in top[:12]:
+            print(f"    {value:7.3f} ms  {name}")
+        del engine
+    report = {
+        "model": MODEL,
+        "threads": args.threads,
+        "ticks": args.ticks,
+        "rounds": args.rounds,
+        "inductor": inductor,
+        "engine": {k: v for k, v in info.items() if "engine" in k or k in ("dtype", "quant")},
+        "torch": torch.__version__,
+        "batches": results,
+        "machine": mark_end(machine),
+    }
+    write_json(Path(args.out), report)
+    names = list(results)
+    with figure(Path(args.plot), 1, 1, figsize=(2 + 1.5 * len(names), 3.5)) as ax:
+        parts = ("matmul_ms", "outside_matmuls_ms", "outside_forward_ms")
+        bottom = [0.0] * len(names)
+        for part in parts:
+            values = [results[n][part] for n in names]
+            ax.bar([f"batch {n}" for n in names], values, bottom=bottom, label=part[:-3])
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.set_ylabel("ms per decode tick (medians)")
+        ax.set_title(f"{MODEL}, default start, {args.threads} threads")
+        ax.legend(fontsize=8)
+
+
+if __name__ == "__main__":
+    main()
