@@ -24,7 +24,7 @@
 # this repo); for bundle: GPU_PYVER (default 3.12, the GPU image's), EXTRA_PYVERS (3.11).
 #
 # The bundle (bench/out/gpu_bundle/, git-ignored):
-#   wheels/        what a GPU call carries (20 MiB): tokenfleet's wheel (of the working tree
+#   wheels/        what a GPU call carries (~18 MiB): tokenfleet's wheel (of the working tree
 #                  as it was) and every runtime/test dependency a torch + transformers machine
 #                  may lack, pure or for GPU_PYVER; requirements.txt and pins.txt. Not torch,
 #                  nvidia-*, triton, transformers, numpy; not ruff, mypy, matplotlib
@@ -56,7 +56,7 @@ PLATFORMS=(manylinux1_x86_64 manylinux2010_x86_64 manylinux2014_x86_64)
 for n in 5 12 17 24 26 27 28 31 34 35; do PLATFORMS+=("manylinux_2_${n}_x86_64"); done
 MiB=$((1024 * 1024))
 TRAVEL_LIMIT=$((64 * MiB))
-TREE_MARGIN=$((6 * MiB))  # the working tree that travels with every call (2 MiB now)
+TREE_MARGIN=$((8 * MiB))  # the working tree that travels with every call (5.7 MiB now)
 
 pip_here() {  # pip without this machine's noise about its file:// extra indexes
   "$BPY" -m pip "$@" 2>&1 | grep -v 'is ignored: it is neither a file nor a directory'

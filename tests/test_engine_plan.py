@@ -191,6 +191,31 @@ def test_decode_graph_follows_the_eager_forward() -> None:
     torch.testing.assert_close(g_pool.k.float(), e_pool.k.float(), atol=0.05, rtol=0.05)
 
 
+@needs_kernel
+def test_the_decode_graphs_cpp_wrapper_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph's calls made from inductor's C++ wrapper (the default) or from its
+    generated Python (`TOKENFLEET_DECODE_CPP_WRAPPER=0`) run the same kernels: the same
+    logits and the same new K/V, bit for bit."""
+    from tokenfleet.model.decode_graph import DecodeGraph, cpp_wrapper
+
+    model, _ = _twins()
+    model.add_narrow("int8", 4)
+    pool = model.new_kv_pool(32, 4)
+    tables = [[8 * r + j for j in range(8)] for r in range(3)]
+    for r in range(3):
+        model.forward(list(range(2, 9)), [SeqInput(tables[r], 0, 7)], pool)
+    seqs = [SeqInput(tables[r], 7, 1) for r in range(3)]
+    outs = []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TOKENFLEET_DECODE_CPP_WRAPPER", setting)
+        assert cpp_wrapper() is (setting == "1")
+        written = copy.deepcopy(pool)
+        logits = DecodeGraph(model, narrow=True).forward([5, 6, 7], seqs, written)
+        outs.append((logits, written))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.equal(outs[0][1].k, outs[1][1].k) and torch.equal(outs[0][1].v, outs[1][1].v)
+
+
 # ---- the plan -------------------------------------------------------------------------
 
 

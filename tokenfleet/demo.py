@@ -151,7 +151,11 @@ def _produce(
                 job_id=f"demo-p{producer_no}-{i}",
                 messages=[ChatMessage(role="user", content=prompt)],
                 max_new_tokens=max_new,
-                sampling=SamplingParams(temperature=0.6, top_p=0.9, seed=seed),
+                # a light repetition penalty: at 135M parameters, sampled answers
+                # otherwise fall into loops now and then ("1. 1. 1. 2. 3 ...")
+                sampling=SamplingParams(
+                    temperature=0.6, top_p=0.9, repetition_penalty=1.1, seed=seed
+                ),
             )
         else:  # random weights: text continuation, always max_new tokens
             prompt = PROMPTS[(producer_no * 3 + i) % len(PROMPTS)]
