@@ -4,8 +4,10 @@ manager, and SmolLM2 loaded from the GGUF file tokenfleet serves."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ def hf_generate(model: Any, jobs: list[Job]) -> list[list[int]]:
         ids[i, longest - len(job.prompt_ids) :] = torch.tensor(job.prompt_ids)
         mask[i, longest - len(job.prompt_ids) :] = 1
     new = max(j.max_new for j in jobs)
-    with torch.inference_mode():
+    with torch.inference_mode(), _plain_attention(model):
         out = model.generate(
             input_ids=ids,
             attention_mask=mask,
@@ -33,6 +35,22 @@ def hf_generate(model: Any, jobs: list[Job]) -> list[list[int]]:
             pad_token_id=0,
         )
     return [out[i, longest : longest + j.max_new].tolist() for i, j in enumerate(jobs)]
+
+
+@contextlib.contextmanager
+def _plain_attention(model: Any) -> Iterator[None]:
+    """The model's attention as a plain `generate` needs it. transformers' continuous
+    batching (`HFContinuous`; 5.17 on CUDA, seen on an H200) leaves the model on its
+    paged attention ("paged|sdpa"), which a plain forward refuses; the manager's thread
+    is idle while `generate` runs, so the setting is swapped back for the call."""
+    config = model.config
+    was = config._attn_implementation
+    if isinstance(was, str) and was.startswith("paged|"):
+        config._attn_implementation = was.removeprefix("paged|")
+    try:
+        yield
+    finally:
+        config._attn_implementation = was
 
 
 def hf_one_by_one(model: Any, jobs: list[Job]) -> list[list[int]]:

@@ -18,6 +18,17 @@
 #   --budget SECONDS  the run's wall-clock budget (default 470 on GPU, 170 dry run); each
 #                     step is cut by `timeout` to what is left of it
 #
+# On a lent H200 (2026-12-04; results in bench/results-gpu-check-h200-2026-12-04.json)
+# the check is two calls on one warm machine, about 8 minutes of device time with the
+# machine's start (~30 s) and the transfers:
+#   1. carrying bench/out/gpu_bundle/wheels and bench/out/gpu_bundle/smollm2-1 (62 MiB):
+#        bash bench/gpu_check.sh run --only tests,compiled,plan,bench-quick --budget 330
+#      258 s: install 17, env 14, tests 43, compiled 129, plan 8, bench-quick 46
+#   2. within 30 s of the first's end (the machine stays warm that long), carrying
+#      bench/out/gpu_bundle/smollm2-2:
+#        bash bench/gpu_check.sh run --only plan,smollm2 --budget 230
+#      215 s: plan with SmolLM2 19, its quick bf16 and fp32 benches 68 + 63
+#
 # Environment: PYTHON (default python3: the interpreter that holds torch), OUT (results;
 # default bench/out/gpu), VENV (default /tmp/tokenfleet-gpu-venv), STAGE (default
 # /tmp/tokenfleet-gpu-stage), GPU_BUNDLE (default: this bundle, else bench/out/gpu_bundle of
@@ -27,7 +38,8 @@
 #   wheels/        what a GPU call carries (~18 MiB): tokenfleet's wheel (of the working tree
 #                  as it was) and every runtime/test dependency a torch + transformers machine
 #                  may lack, pure or for GPU_PYVER; requirements.txt and pins.txt. Not torch,
-#                  nvidia-*, triton, transformers, numpy; not ruff, mypy, matplotlib
+#                  nvidia-*, triton, transformers, numpy; not ruff, mypy, matplotlib,
+#                  Gemma 3's GGUF, the gateway/queue clients (openai, openai-agents, rq)
 #   wheels-extra/  what transformers >= 5 itself requires (tokenizers, safetensors,
 #                  huggingface_hub, hf-xet): there wherever transformers is, kept for completeness
 #   wheels-py3.11/ the compiled wheels for EXTRA_PYVERS (this machine's dry runs)
@@ -427,5 +439,5 @@ case "${1:-}" in
   bundle) shift; cmd_bundle "$@" ;;
   sim-base) shift; cmd_sim_base "$@" ;;
   run) shift; cmd_run "$@" ;;
-  *) sed -n '2,44p' "$0"; exit 2 ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac

@@ -193,7 +193,12 @@ def test_bf16_logits_close(folder: Path) -> None:
         top1_min=BF16_TOP1,
     )
     assert err <= BF16_REL, err
-    assert top1 >= BF16_TOP1, top1
+    # The referee is fp32: two bf16 paths, each one rounding away from it, disagree with
+    # each other at up to twice the positions either disagrees with fp32 (qwen3-gqa on
+    # an H200: ours and transformers' bf16 each agree with fp32 at 18 of 19 positions,
+    # with each other at 17). Ours may flip at most one position more than theirs.
+    floor = min(BF16_TOP1, hf_top1_vs_fp32 - 1 / len(chunks))
+    assert top1_vs_fp32 >= floor, (top1_vs_fp32, hf_top1_vs_fp32, top1)
 
 
 def engine_tokens(loaded: LoadedModel, requests: list[GenerationRequest], c: int) -> Any:

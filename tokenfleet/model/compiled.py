@@ -118,6 +118,9 @@ class CompiledSteps:
         head_spec, self._lm_head = _flatten_one(weight_of(model.lm_head))
 
         self.mode = mode
+        # CUDA graphs (reduce-overhead) reuse their output buffers: a tick is one step of
+        # inductor's graph trees, and what outlives it (the logits) is copied out
+        self._graphs = mode == "reduce-overhead"
         self._pieces = _pieces(mode)
         self._shape = shape
         self._attn_spec = attn_spec
@@ -132,6 +135,8 @@ class CompiledSteps:
         blocks = model.blocks
         # each layer's rotary tables: sliding-window layers may have a base of their own
         ropes = [ctx.rope(b.self_attn.window is not None) for b in blocks]
+        if self._graphs:  # the last tick's buffers may be reused from here on
+            torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
         q, k, v = first(x, *ropes[0], self._attn_spec, shape, *self._attn[0])
         last = len(blocks) - 1
         for i, layer in enumerate(blocks):
@@ -146,7 +151,7 @@ class CompiledSteps:
     def head(self, rows: Tensor, norm: Tensor) -> Tensor:
         head_ = self._pieces[3]
         out: Tensor = head_(rows, norm, self._head_spec, self._shape, *self._lm_head)
-        return out
+        return out.clone() if self._graphs else out
 
 
 @functools.cache

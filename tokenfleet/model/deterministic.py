@@ -108,10 +108,10 @@ def choose_tiling(model: LlamaModel) -> tuple[int, int]:
     dense = [w for w in _matrices(model) if isinstance(w, Tensor)]
     for w in _matrices(model):
         if isinstance(w, PackedWeight):
-            x = probe_rows(_PROBE_ROWS, w.in_features, g, model.dtype)
+            x = probe_rows(_PROBE_ROWS, w.in_features, g, model.dtype).to(model.device)
             if not row_invariant(functools.partial(w.matmul, one_kernel=True), x):
                 raise DeterminismError(f"the {w.kind} kernel is not row-invariant here")
-    inputs = [probe_rows(_PROBE_ROWS, w.shape[1], g, w.dtype) for w in dense]
+    inputs = [probe_rows(_PROBE_ROWS, w.shape[1], g, w.dtype).to(w.device) for w in dense]
     for tile, min_rows in _TILINGS:
         shape = dataclasses.replace(model.shape, row_tile=tile, min_rows=min_rows)
         if all(_invariant_linear(w, x, shape) for w, x in zip(dense, inputs, strict=True)):
@@ -129,11 +129,12 @@ def check_attention(model: LlamaModel, keys: int = 4096) -> None:
     cfg = model.config
     g = torch.Generator().manual_seed(1)
     heads = cfg.num_heads // cfg.num_kv_heads
-    q = probe_rows(heads * _PROBE_ROWS, cfg.head_dim, g, model.dtype)[None]  # [1, G*R, hd]
-    k = torch.randn(1, keys, cfg.head_dim, generator=g).to(model.dtype)
-    v = torch.randn(1, keys, cfg.head_dim, generator=g).to(model.dtype)
+    dev, dt = model.device, model.dtype  # drawn on the CPU, then moved
+    q = probe_rows(heads * _PROBE_ROWS, cfg.head_dim, g, dt)[None].to(dev)  # [1, G*R, hd]
+    k = torch.randn(1, keys, cfg.head_dim, generator=g).to(dev, dt)
+    v = torch.randn(1, keys, cfg.head_dim, generator=g).to(dev, dt)
     p = torch.softmax(3 * torch.randn(1, heads * _PROBE_ROWS, keys, generator=g), -1)
-    p = p.to(model.dtype)
+    p = p.to(dev, dt)
     for name, a, b in (("q @ K", q, k.transpose(1, 2)), ("probs @ V", p, v)):
         full = bmm(a, b).view(heads, _PROBE_ROWS, -1)
         chunk = a.view(heads, _PROBE_ROWS, -1)
