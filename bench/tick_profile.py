@@ -1,9 +1,10 @@
 """Where a decode tick's time goes: the default start's engine (the worker's own model
-set-up) stepped in this process with B sessions decoding, the tick split into the
-matmuls and everything else.
+set-up; with `--quant`, a worker started with it) stepped in this process with B
+sessions decoding, the tick split into the matmuls and everything else.
 
 Usage: python bench/tick_profile.py [--batches 1,8] [--ticks 40] [--threads 2]
-           [--rounds 3] [--inductor 'cpp_wrapper=True,...'] [--out bench/out/tick_profile.json]
+           [--rounds 3] [--inductor 'cpp_wrapper=True,...'] [--quant int8|int4]
+           [--out bench/out/tick_profile.json]
            [--plot docs/img/tick_profile.png]
 
 For each batch size B: B jobs (32 fresh prompt tokens, greedy, eos ignored, long enough
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--inductor", default="", help="torch._inductor.config NAME=VALUE,...")
+    p.add_argument("--quant", default=None, choices=["int8", "int4"], help="as the worker's")
     outputs(p, "tick_profile")
     args = p.parse_args()
     machine = machine_info()
@@ -74,7 +76,7 @@ def main() -> None:
     from tokenfleet.worker.engine import Engine
     from tokenfleet.worker.main import engine_config, torch_model
 
-    settings = WorkerSettings(model=MODEL, threads=args.threads)
+    settings = WorkerSettings(model=MODEL, threads=args.threads, quant=args.quant)
     loaded, info, _ = torch_model(settings)
     model: Any = loaded.model
     forward_s: list[float] = []

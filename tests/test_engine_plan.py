@@ -161,16 +161,22 @@ def test_narrow_ticks_run_the_packed_weights_and_wide_ones_the_dense() -> None:
 
 
 @needs_kernel
-def test_decode_graph_follows_the_eager_forward() -> None:
-    """Whole decode ticks compiled as one graph (narrow weights, the kernel, the KV
-    written after it) give the eager forward's logits and greedy tokens, for
-    one row and several, across block boundaries (up to bf16 rounding: fused code rounds
-    in another order); the pool holds the same K/V."""
+@pytest.mark.parametrize("weights", ["narrow", "quantized"])
+def test_decode_graph_follows_the_eager_forward(weights: str) -> None:
+    """Whole decode ticks compiled as one graph (the default start's narrow weights, or
+    a `--quant` model's only ones; the kernel, the KV written after it) give the eager
+    forward's logits and greedy tokens, for one row and several, across block boundaries
+    (up to bf16 rounding: fused code rounds in another order); the pool holds the same
+    K/V."""
     graph, eager = _twins()
     for m in (graph, eager):
-        m.add_narrow("int8", 4)
+        if weights == "narrow":
+            m.add_narrow("int8", 4)
+        else:
+            m.quantize("int8")
     report = compile_model(graph, decode_graph=True)
     assert graph.decode_graph is not None and report.graphs == 5
+    assert graph.decode_graph.narrow is (weights == "narrow")
     g_pool, e_pool = graph.new_kv_pool(32, 4), eager.new_kv_pool(32, 4)
     for rows in (1, 3):
         tables = [[8 * r + j for j in range(8)] for r in range(rows)]

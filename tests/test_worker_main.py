@@ -23,6 +23,7 @@ from tokenfleet.config import WorkerSettings
 from tokenfleet.errors import JobFailed, ModelLoadError
 from tokenfleet.keys import Keys
 from tokenfleet.model import load_model
+from tokenfleet.model.attention import paged_cpu
 from tokenfleet.producer import Producer
 from tokenfleet.reasons import FinishReason
 from tokenfleet.worker.bands import FairnessConfig
@@ -148,6 +149,8 @@ def test_quantized_weights_are_compiled_by_default_and_serve_jobs(redis_url: str
     info = worker.options.info
     assert (info["quant"], info["dtype"]) == ("int8", "bfloat16")  # auto: int8 needs bf16
     assert info["compile_mode"] == "default" and info["compile_s"] > 0  # unset: on with quant
+    # every tick runs the packed weights: decode ticks as one graph, where the kernel builds
+    assert info["decode_graph"] is paged_cpu.load()
     assert worker.engine.runner.spec.weight_bytes < load_model("tiny-random").weight_bytes
     producer = Producer.from_url(redis_url, prefix=PREFIX)
     job = producer.submit(prompt="hello", max_new_tokens=6, model="int8", ignore_eos=True)

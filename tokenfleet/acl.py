@@ -325,9 +325,7 @@ def rules(
     for scope in r.scoped:
         # each pattern also under a partition's hash tag (`<prefix>{pN}:...`, keys.py): a
         # partitioned fleet's, or one on Redis Cluster
-        keys = " ".join(
-            f"~{p}{tag}{pattern}" for pattern in scope.patterns for tag in ("", TAGGED)
-        )
+        keys = " ".join(f"~{p}{tag}{pattern}" for pattern in scope.patterns for tag in ("", TAGGED))
         commands = " ".join(f"+{command}" for command in sorted(scope.commands))
         out.append(f"({keys} {commands})")
     return out

@@ -25,8 +25,7 @@ def queue_cap(
             raise fail("the cap must be at least 1")
         producer.set_queue_cap(cap, model)
     typer.echo(
-        f"{conf.keys().jobs(model)}: cap {producer.queue_cap(model)}, "
-        f"depth {producer.depth(model)}"
+        f"{conf.keys().jobs(model)}: cap {producer.queue_cap(model)}, depth {producer.depth(model)}"
     )
 
 

@@ -390,4 +390,3 @@ class _FanOut:
                 id=first.id, created=first.created, model=first.model, choices=[], usage=usage
             )
         return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
-

@@ -295,7 +295,9 @@ def _compile(
 ) -> dict[str, object]:
     """Compile the forward where asked, or, unset, where the engine plan says so (a
     default start), or with quantized weights (measured faster there: issue 12); what the
-    heartbeat says about it."""
+    heartbeat says about it. Decode ticks compile as one graph where the plan says so,
+    and with `--quant` on a CPU, where every tick runs the packed weights: the per-call
+    cost the graph removes is the same there."""
     if plan is not None:
         wanted = plan.compile
     else:
@@ -304,12 +306,23 @@ def _compile(
         return {}
     from tokenfleet.model.compiled import compile_model
 
-    graph = plan is not None and plan.decode_graph
+    graph = plan.decode_graph if plan is not None else _quant_decode_graph(loaded)
     return _compile_or_stay_eager(
         loaded.model,
         functools.partial(compile_model, decode_graph=graph),
         explicit=asked is not None,
     )
+
+
+def _quant_decode_graph(loaded: LoadedModel) -> bool:
+    """Whether a `--quant` worker's decode ticks run as one graph: on a CPU where the
+    paged kernel builds, and not under `--deterministic` (its row tiles run eagerly)."""
+    model = loaded.model
+    if loaded.quant is None or loaded.device.type != "cpu" or model.deterministic is not None:
+        return False
+    from tokenfleet.model.attention import paged_cpu
+
+    return paged_cpu.load()
 
 
 def _compile_or_stay_eager(
@@ -328,4 +341,9 @@ def _compile_or_stay_eager(
         uncompile_model(model)
         logger.warning("compiling the forward failed, serving eagerly: %s", exc)
         return {"compile_mode": None, "compile_error": f"{type(exc).__name__}: {exc}"[:300]}
-    return {"compile_mode": report.mode, "compile_s": round(report.warmup_s, 2)}
+    return {
+        "compile_mode": report.mode,
+        "compile_s": round(report.warmup_s, 2),
+        # decode ticks as one compiled graph (model/decode_graph.py)
+        "decode_graph": getattr(model, "decode_graph", None) is not None,
+    }

@@ -266,9 +266,7 @@ class WorkerQueue:
         pulled, top = PullCall.parse_with_top(reply)
         if top is not None:
             self._top[part] = top
-        return [
-            delivery(got.entry_id, got.fields, 1, self.parts[part][got.band]) for got in pulled
-        ]
+        return [delivery(got.entry_id, got.fields, 1, self.parts[part][got.band]) for got in pulled]
 
     def own_pending(self, count: int) -> list[Delivery]:
         """Entries pending to this worker (its own pending list), with their data.

@@ -245,9 +245,7 @@ class Scheduler:
 
         if any(computes(other) for other in started):
             return True
-        return any(
-            other.status is SeqStatus.PREFILL and computes(other) for other in self._waiting
-        )
+        return any(other.status is SeqStatus.PREFILL and computes(other) for other in self._waiting)
 
     def _register(self, seq: SeqState) -> None:
         """Offer the blocks the last tick filled to the prefix cache."""
