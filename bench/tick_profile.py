@@ -159,6 +159,8 @@ def main() -> None:
     }
     write_json(Path(args.out), report)
     names = list(results)
+    if not args.plot:  # --plot '': no figure
+        return
     with figure(Path(args.plot), 1, 1, figsize=(2 + 1.5 * len(names), 3.5)) as ax:
         parts = ("matmul_ms", "outside_matmuls_ms", "outside_forward_ms")
         bottom = [0.0] * len(names)
@@ -167,7 +169,8 @@ def main() -> None:
             ax.bar([f"batch {n}" for n in names], values, bottom=bottom, label=part[:-3])
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         ax.set_ylabel("ms per decode tick (medians)")
-        ax.set_title(f"{MODEL}, default start, {args.threads} threads")
+        start = f"--quant {args.quant}" if args.quant else "default start"
+        ax.set_title(f"{MODEL}, {start}, {args.threads} threads")
         ax.legend(fontsize=8)
 
 
