@@ -3,7 +3,8 @@ perplexity method, against the fp32 model: SmolLM2-135M-Instruct (the llm-smollm
 Q4_1 GGUF), bench/data/declaration_gettysburg.txt, windows of 512 tokens, the second half
 of each scored (bench/_perplexity.py's `our_perplexity`).
 
-Usage: python bench/default_quality.py [--threads 2] [--out bench/out/default_quality.json]
+Usage: python bench/default_quality.py [--threads 2] [--int8]
+           [--out bench/out/default_quality.json]
 
 Three ways to score:
   fp32           the file dequantized to float32, one prefill per window (the reference);
@@ -12,6 +13,9 @@ Three ways to score:
   plan, decode   the same model fed the scored half one token per tick, as generation
                  feeds it: one-row decode ticks, the plan's narrow weights (int4 from the
                  file's own blocks where it chose them) and its decode graph.
+With --int8, also `--quant int8`'s model (eager) scored the decode way twice: int8
+calls on tokenfleet's int8 x int8 kernel (activations quantized per block of 32, where
+the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ def decode_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--int8", action="store_true", help="--quant int8, both int8 kernels")
     p.add_argument("--out", default="bench/out/default_quality.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,7 +103,19 @@ def main() -> None:
     ref = load_model(PRESET, dtype="float32", device="cpu")
     results["fp32_decode"] = decode_perplexity(ref, tokens, bos)
     print(f"fp32, decode: {results['fp32_decode']['ppl']:.4f}", flush=True)
-    for name, base in (("plan_prefill", "fp32"), ("plan_decode", "fp32_decode")):
+    compared = [("plan_prefill", "fp32"), ("plan_decode", "fp32_decode")]
+    if args.int8:
+        from tokenfleet.model import quant
+
+        int8 = load_model(PRESET, dtype="bfloat16", device="cpu", quant="int8")
+        results["int8_vnni_kernel"] = quant.int8_vnni()
+        for name, on in (("int8_decode_vnni", True), ("int8_decode_torch", False)):
+            quant.set_int8_vnni(on)
+            results[name] = decode_perplexity(int8, tokens, bos)
+            print(f"{name}: {results[name]['ppl']:.4f}", flush=True)
+            compared.append((name, "fp32_decode"))
+        quant.set_int8_vnni(None)
+    for name, base in compared:
         rel = results[name]["ppl"] / results[base]["ppl"] - 1
         results[f"{name}_vs_fp32"] = rel
         print(f"{name} vs {base}: {100 * rel:+.2f} %")

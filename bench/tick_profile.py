@@ -44,6 +44,7 @@ MODEL = "smollm2-135m-instruct"
 MATMULS = (
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::_weight_int8pack_mm",
+    "tokenfleet::int8_linear",
     "aten::mm",
     "aten::addmm",
     "aten::bmm",

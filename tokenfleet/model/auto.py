@@ -46,7 +46,8 @@ from tokenfleet.model.quant import PackedWeight, QuantKind, quantize, resident_b
 
 AUTO_MIN_PARAMS = 50_000_000
 PROBE_ROWS = (1, 2, 4, 8, 16)
-PROBE_VERSION = 1  # bump when the probe measures something else
+PROBE_VERSION = 2  # bump when the probe measures something else (2: int8 runs the VNNI kernel)
+_PROBE_PASSES = 5
 
 
 @dataclass(frozen=True)
@@ -186,16 +187,17 @@ def _packed(
 
 
 def _time_pass(weights: dict[str, Weight]) -> tuple[dict[int, float], bool]:
-    """The fastest of 3 passes over every matrix (after a warm one), ms per row count,
-    and whether the passes agreed (within 1.5x: nothing else took the cores)."""
+    """The fastest of 5 passes over every matrix (after a warm one), ms per row count,
+    and whether the passes agreed (within 1.5x: nothing else took the cores). Each pass
+    runs every row count once, so a burst of other work spoils one pass of each count
+    rather than every pass of one count (which once moved a crossover from 16 rows to
+    8 on a shared EPYC Zen 4)."""
     shape = LayerShape(1, 1, 1, 1, 1e-5)  # plain matmuls: no row tiles
     inputs: dict[tuple[int, int], Tensor] = {}
-    out: dict[int, float] = {}
-    calm = True
+    times: dict[int, list[float]] = {rows: [] for rows in PROBE_ROWS}
     with torch.inference_mode():
-        for rows in PROBE_ROWS:
-            times = []
-            for _ in range(4):
+        for n in range(_PROBE_PASSES + 1):
+            for rows in PROBE_ROWS:
                 started = time.perf_counter()
                 for w in weights.values():
                     width = w.in_features if isinstance(w, PackedWeight) else w.shape[1]
@@ -203,9 +205,10 @@ def _time_pass(weights: dict[str, Weight]) -> tuple[dict[int, float], bool]:
                     if x is None:
                         x = inputs[(rows, width)] = torch.randn(rows, width, dtype=torch.bfloat16)
                     linear(x, w, None, shape)
-                times.append(time.perf_counter() - started)
-            out[rows] = round(min(times[1:]) * 1000, 3)
-            calm = calm and max(times[1:]) < 1.5 * min(times[1:])
+                if n:  # the first pass warms
+                    times[rows].append(time.perf_counter() - started)
+    out = {rows: round(min(t) * 1000, 3) for rows, t in times.items()}
+    calm = all(max(t) < 1.5 * min(t) for t in times.values())
     return out, calm
 
 

@@ -6,7 +6,8 @@ bytes halves the step. Both formats run on torch's own CPU kernels, with bf16
 activations (their fast path: with float32 activations int8 is ~20x slower here,
 642 vs 30 us for SmolLM2's gate/up matrix at one row):
 
-    int8  `_weight_int8pack_mm`: w = q * scale[out], q in [-127, 127]
+    int8  `_weight_int8pack_mm`: w = q * scale[out], q in [-127, 127]; up to 16 rows on
+          a CPU with AVX512-VNNI, tokenfleet's int8 x int8 kernel (`int8_vnni`)
     int4  `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale[g, out] + zero[g, out]
           for each group g of 32 input columns, q in [0, 15]
 
@@ -23,6 +24,7 @@ values a second time.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +38,39 @@ INT4_GROUP = 32
 # Rows up to which `_weight_int8pack_mm` beats dequantize + bf16 matmul (measured on
 # SmolLM2's matrices, 2 threads: equal at 16 rows, 1.5x slower at 32, 2.7x at 256).
 PACKED_MAX_ROWS = 16
+# Rows up to which int8 calls run tokenfleet's int8 x int8 kernel where the CPU has
+# AVX512-VNNI (`int8_vnni`); it quantizes the activations per block of 32 as
+# llama.cpp's Q8_0 dot product does.
+VNNI_MAX_ROWS = 16
+_vnni: bool | None = None
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # traced: a constant
+def int8_vnni() -> bool:
+    """Whether int8 calls of up to VNNI_MAX_ROWS rows run `tokenfleet::int8_linear`
+    (attention/paged_cpu.cpp): int8 weights times the activations quantized to int8
+    per block of 32, summed by vpdpbusd, where torch's `_weight_int8pack_mm` widens
+    every weight to bf16 (SmolLM2's layers at one row on an EPYC Zen 4: see
+    docs/benchmarks.md). On wherever the kernel builds with AVX512-VNNI, unless
+    `TOKENFLEET_INT8_VNNI=0`. Never in deterministic mode (`one_kernel`): it serves at
+    most 16 rows, and longer calls would round the other kernel's way."""
+    global _vnni
+    if _vnni is None:
+        _vnni = os.environ.get("TOKENFLEET_INT8_VNNI", "1") != "0" and _vnni_possible()
+    return _vnni
+
+
+def set_int8_vnni(on: bool | None) -> None:
+    """Force the int8 kernel choice (benchmarks, tests); None: decide again as at start.
+    A model compiled before keeps the choice it was traced with."""
+    global _vnni
+    _vnni = None if on is None else (on and _vnni_possible())
+
+
+def _vnni_possible() -> bool:
+    from tokenfleet.model.attention import paged_cpu
+
+    return paged_cpu.load() and bool(torch.ops.tokenfleet.int8_vnni())
 
 
 class QuantError(ValueError):
@@ -70,6 +105,8 @@ class PackedWeight:
         if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
             dense = self.data.to(x.dtype) * self.scales[:, None]
             y: Tensor = torch.nn.functional.linear(x, dense)
+        elif self.kind == "int8" and not one_kernel and x.shape[0] <= VNNI_MAX_ROWS and int8_vnni():
+            y = torch.ops.tokenfleet.int8_linear(x, self.data, self.scales)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         else:

@@ -9,6 +9,9 @@
 // Built at run time by tokenfleet/model/attention/paged_cpu.py (torch's cpp_extension,
 // -O3 -march=native) and registered as torch.ops.tokenfleet.decode_attention, so the
 // compiled decode graph calls it as one extern kernel per layer.
+//
+// The same library holds torch.ops.tokenfleet.int8_linear (at the end of the file):
+// int8 weights times int8-quantized activations on AVX512-VNNI, for model/quant.py.
 
 #include <torch/extension.h>
 
@@ -308,12 +311,130 @@ at::Tensor decode_attention(
   return out;
 }
 
+// ---- int8 weights times int8-quantized activations (AVX512-VNNI) ----------------------
+//
+// y[m, n] = scale[n] * sum over blocks b of 32 inputs: d[m, b] * (qx[m, b, :] . w[n, b, :])
+// where qx = round(x / d), d = max |x| / 127 over the block: llama.cpp's Q8_0 x Q8_0 dot
+// product, with the weight's one scale per output row. Each 64-byte step is one vpdpbusd
+// (|qx| as unsigned bytes, the weight's sign flipped where qx is negative), its two
+// blocks' int32 sums widened and scaled by their d. The weight rows stream once per call
+// whatever the row count (every row's accumulator in a register). Rows' results do not
+// depend on each other or on the thread split.
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(TOKENFLEET_BF16_DOT)
+#define TOKENFLEET_VNNI 1
+
+constexpr int64_t kMaxVnniRows = 16;
+
+struct QuantRows {  // the activations, quantized per block of 32
+  std::vector<uint8_t> mag;        // |qx| [M, K]
+  std::vector<__mmask64> neg;      // qx < 0, per 64 inputs [M, K / 64]
+  std::vector<float> d;            // per 64 inputs: the two blocks' d, 8 lanes each [M, K/64, 16]
+};
+
+inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, QuantRows& q) {
+  const int64_t C = K / 64;
+  q.mag.resize(M * K);
+  q.neg.resize(M * C);
+  q.d.resize(M * C * 16);
+  const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < C; ++c) {
+      const uint16_t* src = bits + m * K + c * 64;
+      __m512 f[4];
+      for (int i = 0; i < 4; ++i) f[i] = widen16(src + 16 * i);
+      float dv[2];
+      __m512i qi[4];
+      for (int blk = 0; blk < 2; ++blk) {
+        const __m512 a = _mm512_max_ps(_mm512_abs_ps(f[2 * blk]), _mm512_abs_ps(f[2 * blk + 1]));
+        const float amax = _mm512_reduce_max_ps(a);
+        const float d = amax / 127.0f;
+        dv[blk] = d;
+        const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        for (int i = 2 * blk; i < 2 * blk + 2; ++i)
+          qi[i] = _mm512_cvtps_epi32(_mm512_mul_ps(f[i], inv));  // nearest, ties to even
+      }
+      __m512i packed = _mm512_castsi128_si512(_mm512_cvtsepi32_epi8(qi[0]));
+      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[1]), 1);
+      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[2]), 2);
+      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[3]), 3);
+      q.neg[m * C + c] = _mm512_movepi8_mask(packed);
+      _mm512_storeu_si512(q.mag.data() + m * K + c * 64, _mm512_abs_epi8(packed));
+      float* dd = q.d.data() + (m * C + c) * 16;
+      for (int i = 0; i < 8; ++i) dd[i] = dv[0];
+      for (int i = 8; i < 16; ++i) dd[i] = dv[1];
+    }
+  }
+}
+
+template <int MR>
+inline void vnni_rows(const QuantRows& q, int64_t m0, const int8_t* w, const float* wscale,
+                      int64_t n0, int64_t n1, int64_t K, int64_t N, float* out) {
+  const int64_t C = K / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wr = w + n * K;
+    __m512 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; ++c) {
+      const __m512i wv = _mm512_loadu_si512(wr + c * 64);
+      for (int r = 0; r < MR; ++r) {
+        const int64_t m = m0 + r;
+        const __m512i sw = _mm512_mask_sub_epi8(wv, q.neg[m * C + c], _mm512_setzero_si512(), wv);
+        const __m512i mag = _mm512_loadu_si512(q.mag.data() + m * K + c * 64);
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag, sw);
+        const __m512 dv = _mm512_loadu_ps(q.d.data() + (m * C + c) * 16);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dv, acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) out[(m0 + r) * N + n] = _mm512_reduce_add_ps(acc[r]) * wscale[n];
+  }
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+#ifdef TOKENFLEET_VNNI
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar && K % 64 == 0 &&
+      M <= kMaxVnniRows && M > 0) {
+    auto xc = x.contiguous();
+    auto wc = w.contiguous();
+    auto sc = scales.to(at::kFloat).contiguous();
+    QuantRows q;
+    quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
+    std::vector<float> out(M * N);
+    const int8_t* wp = wc.data_ptr<int8_t>();
+    const float* sp = sc.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) vnni_rows<4>(q, m, wp, sp, n0, n1, K, N, out.data());
+      for (; m < M; ++m) vnni_rows<1>(q, m, wp, sp, n0, n1, K, N, out.data());
+    });
+    return at::from_blob(out.data(), {M, N}, at::kFloat).to(at::kBFloat16);
+  }
+#endif
+  return at::_weight_int8pack_mm(x, w, scales);  // elsewhere: torch's kernel
+}
+
+bool int8_vnni() {
+#ifdef TOKENFLEET_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenfleet, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int8_vnni() -> bool", &int8_vnni);
   m.def(
       "decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_new, Tensor? v_new, "
       "Tensor tables, Tensor past, int layer, int block_size, int window) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(tokenfleet, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("int8_linear", &int8_linear);
+}

@@ -2,8 +2,9 @@
 
 `load()` compiles the C++ file with torch's cpp_extension (gcc, -O3 -march=native;
 ~40 s the first time, then a cached .so under ~/.cache/tokenfleet/ext keyed by the
-source and the CPU), loads it as `torch.ops.tokenfleet.decode_attention`, and gives
-the op a shape-only ("fake") implementation so compiled graphs can call it. It
+source and the CPU), loads it as `torch.ops.tokenfleet.decode_attention` (and the
+int8 x int8 matmul, `torch.ops.tokenfleet.int8_linear`, that `model/quant.py` uses),
+and gives the ops shape-only ("fake") implementations so compiled graphs can call them. It
 returns False, with the reason in `failure()`, where no compiler is at hand: callers
 then keep the portable SDPA path.
 """
@@ -57,6 +58,10 @@ def load() -> bool:
     @torch.library.register_fake("tokenfleet::decode_attention")  # type: ignore[untyped-decorator]
     def _(q: Tensor, *rest: object) -> Tensor:  # the output's shape: q's
         return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("tokenfleet::int8_linear")  # type: ignore[untyped-decorator]
+    def _int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # [M, N] bf16
+        return x.new_empty((x.shape[0], w.shape[0]))
 
     return True
 
