@@ -120,6 +120,19 @@ def test_job_that_can_never_fit_is_refused_up_front(adm: Admission, kv: BlockMan
     assert decide(adm, kv, req(prompt=1000, new=24))[0] is AdmissionReason.ADMITTED
 
 
+def test_a_runner_session_cap_bounds_one_job_below_the_whole_pool() -> None:
+    # a llama.cpp runner with a KV stream per session: one stream of 256 tokens
+    capped = Admission(make_budget(session_cap=256))
+    kv = capped.budget.new_block_manager()
+    assert capped.budget.max_tokens_per_session == 256
+    reason, msg = decide(capped, kv, req(prompt=200, new=57))
+    assert reason is AdmissionReason.REJECTED_KV_BUDGET
+    assert "needs 257 KV tokens" in msg and "one session may hold 256 on this runner" in msg
+    assert decide(capped, kv, req(prompt=200, new=56))[0] is AdmissionReason.ADMITTED
+    # a cap past the pool changes nothing
+    assert make_budget(session_cap=10_000).max_tokens_per_session == 1024
+
+
 def test_scratch_over_per_session_cap(adm: Admission, kv: BlockManager) -> None:
     reason, msg = decide(adm, kv, req(scratch=MiB + 1))
     assert reason is AdmissionReason.REJECTED_SCRATCH_BUDGET

@@ -164,6 +164,7 @@ def served_with_logprobs(
     concurrency: int,
     cached: dict[str, int] | None = None,
     telemetry: dict[str, object] | None = None,
+    kv: int = KV,
 ) -> dict[str, list[tuple[int, float]]]:
     """Each job's (token, its logprob as the batched run computed it); `cached` gets
     each job's prompt tokens the prefix cache supplied, `telemetry` the engine's at the
@@ -173,7 +174,7 @@ def served_with_logprobs(
         for r in requests
     ]
     config = EngineConfig(
-        kv_budget_bytes=KV,
+        kv_budget_bytes=kv,
         max_active=concurrency,
         max_batch_size=concurrency,
         max_waiting=len(requests),
@@ -437,6 +438,46 @@ def test_a_pool_full_of_kept_and_cached_blocks_stays_within_llama_cpps_cells() -
         assert_own_context(small, requests, served, "pool", options.kv_budget_bytes)
     finally:
         small.close()
+
+
+def test_kv_streams_give_each_job_a_stream_of_cells_of_its_own() -> None:
+    """`kv_streams=4` (llama-server's layout, `-np 4`): four streams of a quarter of the
+    cells, one job in each. A job alone gives llama.cpp's own greedy tokens; eight jobs
+    four at a time each get the logprobs their own context gives their tokens (a stream
+    read by another job's rows would be nats off); a job past one stream is refused,
+    naming the stream; every job that ends frees its stream for the next."""
+    assert SMOLLM2 is not None
+    token_bytes = 30 * 3 * 64 * 2 * 2  # SmolLM2: layers x KV heads x head dim x (K, V) x f16
+    kv = 2048 * token_bytes + token_bytes * 100  # 2,148 cells: streams round down to 512
+    options = LlamaCppOptions(
+        kv_budget_bytes=kv,
+        block_size=16,
+        max_sequences=4,
+        max_tick_tokens=4 + 256,
+        threads=2,
+        prefix_sharing=False,
+        kv_streams=4,
+    )
+    streams = LlamaCppRunner(SMOLLM2, options)
+    try:
+        assert (streams.cells, streams.stream_cells) == (2048, 512)
+        assert abs(streams.allocated["KV"] - 2048 * token_bytes) <= 0.01 * MiB
+        assert streams.spec.max_session_tokens == 512 and not streams.spec.shares_prefix
+        assert streams.info["kv_layout"] == "4 streams of 512 cells (a job fits one)"
+        requests = jobs(streams, new=24)
+        config = EngineConfig(kv_budget_bytes=kv, max_active=4, max_batch_size=4)
+        engine = Engine(streams, config)
+        past = GenerationRequest(job_id="past", prompt_ids=[1] * 100, max_new_tokens=413)
+        assert engine.max_job_tokens == 512
+        decision = engine.submit(past)
+        assert decision.reason is AdmissionReason.REJECTED_KV_BUDGET
+        assert "one session may hold 512 on this runner" in decision.message
+        greedy = requests[:4]
+        assert serve(streams, greedy, concurrency=1) == llama_cpp_alone(SMOLLM2, greedy, 24)
+        served = served_with_logprobs(streams, requests, 4, kv=kv)
+        assert_own_context(streams, requests, served, "4 streams", kv)
+    finally:
+        streams.close()
 
 
 TABLE = list(range(8))  # a session's block table in the hand-made plans below

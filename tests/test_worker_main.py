@@ -309,3 +309,19 @@ def test_the_prefix_cache_is_on_by_default_except_on_the_llama_cpp_runner() -> N
         for given in (True, False):
             settings = WorkerSettings(runner=runner, prefix_cache=given)
             assert engine_config(settings).prefix_cache is given, (runner, given)
+
+
+def test_kv_streams_cap_active_jobs_and_refuse_what_they_cannot_serve() -> None:
+    """--kv-streams N (the llama.cpp runner's llama-server layout) lowers --max-active
+    to N (a stream per active job) and keeps a smaller one; it is refused, named, with
+    --prefix-cache (cells are lent within one pool) and on another runner."""
+    from tokenfleet.worker.main import InvalidBudget, engine_config
+
+    assert engine_config(WorkerSettings(runner="llamacpp", kv_streams=8)).max_active == 8
+    assert engine_config(WorkerSettings(runner="llamacpp", kv_streams=0)).max_active == 64
+    small = WorkerSettings(runner="llamacpp", kv_streams=8, max_active=4)
+    assert engine_config(small).max_active == 4
+    with pytest.raises(InvalidBudget, match="drop --prefix-cache"):
+        engine_config(WorkerSettings(runner="llamacpp", kv_streams=8, prefix_cache=True))
+    with pytest.raises(InvalidBudget, match=r"llama\.cpp runner's KV layout"):
+        engine_config(WorkerSettings(runner="torch", kv_streams=8))

@@ -168,6 +168,10 @@ class ModelSpec:
     # whether a session may start from KV blocks another session wrote (the prefix
     # cache); a runner whose KV is not addressed by the plan's block tables says no
     shares_prefix: bool = True
+    # the most KV tokens one session may hold on this runner, whatever the node's budget
+    # (a llama.cpp runner with a KV stream per sequence: one stream's cells); None: the
+    # node's KV budget is the only bound
+    max_session_tokens: int | None = None
 
     def kv_layout(self, block_size: int) -> KVLayout:
         return KVLayout(

@@ -48,6 +48,8 @@ class NodeBudget:
     max_prefill_tokens_per_tick: int
     layout: KVLayout
     max_waiting: int = 4
+    # the runner's bound on one session's KV tokens (`ModelSpec.max_session_tokens`)
+    session_cap: int | None = None
 
     def advertised(self) -> dict[str, int]:
         """The limits a worker's heartbeat shows (`tokenfleet status`, the gateway)."""
@@ -85,7 +87,8 @@ class NodeBudget:
     @property
     def max_tokens_per_session(self) -> int:
         """Largest prompt + max_new_tokens one session could hold with the node otherwise empty."""
-        return self.num_kv_blocks * self.layout.block_size
+        whole = self.num_kv_blocks * self.layout.block_size
+        return whole if self.session_cap is None else min(whole, self.session_cap)
 
     def new_block_manager(self, *, prefix_cache: bool = False) -> BlockManager:
         return BlockManager(self.num_kv_blocks, self.layout.block_size, prefix_cache=prefix_cache)
@@ -169,8 +172,14 @@ class Admission:
             need = b.layout.blocks_for(req.kv_tokens) * b.layout.bytes_per_block
             return AdmissionDecision(
                 AdmissionReason.REJECTED_KV_BUDGET,
-                f"needs {req.kv_tokens:,} KV tokens ({_human(need)}) but the node's whole KV"
-                f" budget holds {b.max_tokens_per_session:,} ({_human(b.kv_budget_bytes)})",
+                f"needs {req.kv_tokens:,} KV tokens ({_human(need)}) but "
+                + (
+                    f"one session may hold {b.max_tokens_per_session:,} on this runner (its "
+                    "KV stream per session)"
+                    if b.max_tokens_per_session < b.num_kv_blocks * b.layout.block_size
+                    else f"the node's whole KV budget holds {b.max_tokens_per_session:,} "
+                    f"({_human(b.kv_budget_bytes)})"
+                ),
             )
         if req.scratch_bytes > b.scratch_per_session_bytes:
             return AdmissionDecision(

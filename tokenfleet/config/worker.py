@@ -105,6 +105,19 @@ class WorkerSettings(Settings):
         ),
     ] = None
     kv_mb: Annotated[int, Flag("--kv-mb"), Field(description="KV cache budget, MiB")] = 256
+    kv_streams: Annotated[
+        int,
+        Env("TOKENFLEET_KV_STREAMS"),
+        Flag("--kv-streams"),
+        Field(
+            ge=0,
+            le=256,
+            description="--runner llamacpp: 0, one pool of KV cells for every job; N, "
+            "llama-server's layout (-np N): N jobs at most, each in a stream of its own "
+            "of 1/N of the cells (a job's prompt + max_tokens must fit it), faster "
+            "decodes of many jobs at once; not with --prefix-cache (docs/operations.md)",
+        ),
+    ] = 0
     max_batch: Annotated[
         int, Flag("--max-batch"), Field(description="decode sessions per tick")
     ] = 32

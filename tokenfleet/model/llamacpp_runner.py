@@ -11,12 +11,25 @@ bindings (its ctypes layer, not its `Llama` class):
     flagged logits    ->  TickSampler.finish: our sampler, masks and logprobs, so
                           seeds, grammars and penalties behave as on the torch runner
 
-KV. llama.cpp keeps its own cache (one unified buffer of cells, each tagged with the
-sequences that use it), so the scheduler's block tables are not addresses here: the
-runner sizes that cache to hold every token the scheduler's blocks can (its cells are
-the node's KV budget, rounded up by llama.cpp) and tracks how far each sequence's cells
-go. A plan that restarts a session at an earlier position (a retry after a failed
-tick) removes the cells from there first.
+KV. llama.cpp keeps its own cache (cells, each tagged with the sequences that use
+it), so the scheduler's block tables are not addresses here: the runner sizes that
+cache to hold every token the scheduler's blocks can (its cells are the node's KV
+budget, rounded up by llama.cpp) and tracks how far each sequence's cells go. A plan
+that restarts a session at an earlier position (a retry after a failed tick) removes
+the cells from there first. Two layouts (`LlamaCppOptions.kv_streams`):
+
+    0 (default)   one pool of cells for every sequence (`kv_unified`), as the
+                  scheduler's one block pool: a job may use every cell; but each decode
+                  row's attention walks the whole range of cells in use (the other
+                  sequences' masked), a cost that grows with the jobs beside it
+    N             llama-server's layout (`-np N`): N streams of cells/N each (rounded
+                  down to llama.cpp's 256), a sequence per stream; a row's attention
+                  walks its own stream's cells only. A job must fit one stream
+                  (`ModelSpec.max_session_tokens`: admission refuses a longer one, the
+                  gateway sees it in `max_job_tokens`), N run at once at most; no prefix sharing
+                  (cells are lent within a stream, never across). Sequence ids are
+                  handed out lowest first: a ubatch spans the streams from its lowest
+                  sequence id to its highest.
 
 Prefix sharing. `BlockCells` maps each block of the scheduler's pool to the sequences
 whose cells hold it. A session whose plan starts past a prefix the engine's cache found
@@ -52,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import heapq
 import logging
 import os
 import re
@@ -90,6 +104,7 @@ LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject's `llamacp
 INSTALL_HINT = "make llamacpp (builds llama-cpp-python from source, ~15-20 min on 2 cores)"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 KV_BYTES = 2  # llama.cpp's default K and V cache type: f16
+STREAM_PAD = 256  # llama.cpp pads a stream's cells (n_ctx_seq) to this
 MiB = 1024 * 1024
 
 # llama.cpp's log levels (ggml.h) and the allocation lines it logs at load
@@ -124,6 +139,8 @@ class LlamaCppOptions:
     # blocks (None: as many as max_sequences; at most the ids the live ones leave)
     prefix_sharing: bool = True
     max_kept: int | None = None
+    # 0: one pool of cells (kv_unified); N: N streams (max_sequences is N), see above
+    kv_streams: int = 0
 
 
 def import_llama_cpp() -> ModuleType:
@@ -215,6 +232,13 @@ class LlamaCppRunner:
                 f"llama.cpp runs at most {MAX_SEQUENCES} sequences at once; "
                 f"max_active is {options.max_sequences}"
             )
+        streams = options.kv_streams
+        if streams and (streams != options.max_sequences or options.prefix_sharing):
+            raise ModelLoadError(
+                f"{streams} KV streams take a sequence each ({options.max_sequences} "
+                f"asked) and lend no cells (prefix sharing is "
+                f"{'on' if options.prefix_sharing else 'off'})"
+            )
         self.options = options
         lib = self.lib = import_llama_cpp()
         lib.llama_backend_init()
@@ -234,6 +258,15 @@ class LlamaCppRunner:
             # the context: enough cells for every token the node's KV budget holds
             layout = spec.kv_layout(options.block_size)
             cells = layout.num_blocks_for_budget(options.kv_budget_bytes) * options.block_size
+            per_stream = 0
+            if streams:  # llama.cpp rounds a stream up to 256 cells: round down here
+                per_stream = cells // streams // STREAM_PAD * STREAM_PAD
+                if per_stream == 0:
+                    raise ModelLoadError(
+                        f"the KV budget holds {cells} cells: {streams} streams need "
+                        f"{streams * STREAM_PAD} at least (fewer --kv-streams, or more --kv-mb)"
+                    )
+                cells = per_stream * streams
             cparams = lib.llama_context_default_params()
             cparams.n_ctx = max(cells, options.block_size)
             cparams.n_batch = options.max_tick_tokens
@@ -241,23 +274,33 @@ class LlamaCppRunner:
             cparams.n_seq_max = options.max_sequences
             cparams.n_threads = threads
             cparams.n_threads_batch = threads
-            cparams.kv_unified = True  # one pool of cells, as the scheduler's one block pool
+            cparams.kv_unified = not streams  # else a stream per sequence
             cparams.no_perf = True
             self.ctx = lib.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise ModelLoadError(f"llama.cpp could not create a context for {self.path}")
         self.memory = lib.llama_get_memory(self.ctx)
         self.cells = int(lib.llama_n_ctx(self.ctx))
+        self.stream_cells = int(lib.llama_n_ctx_seq(self.ctx)) if streams else 0
+        if streams and self.stream_cells * streams != self.cells:
+            raise ModelLoadError(
+                f"llama.cpp made {self.cells} cells for {streams} streams of "
+                f"{self.stream_cells}, not {cells} of {per_stream}"
+            )
         self.allocated = buffer_bytes(lines)
         fixed = sum(v for k, v in self.allocated.items() if k != "KV")
         refused = self._why_not_shared(lib)
         if not options.prefix_sharing:
             refused = "off: the worker's prefix cache is off (--prefix-cache turns it on)"
+        if streams:
+            refused = "off: a KV stream per sequence (--kv-streams) lends no cells"
         self._spec = replace(
             spec,
             weight_bytes=fixed or int(lib.llama_model_size(self.model)),
             shares_prefix=refused is None,
         )
+        if streams:  # a session's cells are one stream's
+            self._spec = replace(self._spec, max_session_tokens=self.stream_cells)
         self.info: dict[str, Any] = {
             "runner": "llamacpp",
             "llama_cpp_python": LLAMA_CPP_PYTHON,
@@ -270,6 +313,11 @@ class LlamaCppRunner:
                 else "on (no AMX)"
             ),
             "cells": self.cells,
+            "kv_layout": (
+                f"{streams} streams of {self.stream_cells} cells (a job fits one)"
+                if streams
+                else "one pool (unified)"
+            ),
             "threads": threads,
             "ubatch": ubatch,
             "allocated_mib": {k: round(v / MiB, 2) for k, v in self.allocated.items()},
@@ -296,9 +344,11 @@ class LlamaCppRunner:
             logits=self._flag.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
         # llama.cpp sequence ids: llama_decode takes those below n_seq_max (the live
-        # sessions'); a unified cache keeps cells of any id below its maximum, so a
-        # finished sequence kept for its cached blocks moves to an id above them
-        self._free_ids = list(range(options.max_sequences - 1, -1, -1))
+        # sessions'), handed out lowest first (a heap: with streams, a ubatch spans
+        # the streams between its lowest and highest id); a unified cache keeps cells
+        # of any id below its maximum, so a finished sequence kept for its cached
+        # blocks moves to an id above them
+        self._free_ids = list(range(options.max_sequences))
         self._free_kept = list(range(MAX_SEQUENCES - 1, options.max_sequences - 1, -1))
         self._seq_ids: dict[str, int] = {}  # session -> llama.cpp sequence id
         self._ends: dict[int, int] = {}  # sequence id -> positions its cells hold
@@ -370,7 +420,9 @@ class LlamaCppRunner:
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self._block_size = block_size
-        if num_blocks * block_size > self.cells:
+        # with streams, the pool may hold up to a stream's rounding more than the cells:
+        # at most `kv_streams` sessions of at most `stream_cells` tokens never reach it
+        if not self.stream_cells and num_blocks * block_size > self.cells:
             raise ValueError(
                 f"{num_blocks} KV blocks of {block_size} tokens do not fit llama.cpp's "
                 f"{self.cells} cells (the runner was sized for a smaller KV budget)"
@@ -479,7 +531,7 @@ class LlamaCppRunner:
         self.lib.llama_memory_seq_cp(self.memory, sid, kept, -1, -1)  # its cells, retagged
         self.lib.llama_memory_seq_rm(self.memory, sid, -1, -1)
         self._cells_of.rename(sid, kept)
-        self._free_ids.append(sid)
+        heapq.heappush(self._free_ids, sid)
         self._kept[kept] = None
 
     # ---- sequences ---------------------------------------------------------------
@@ -491,7 +543,7 @@ class LlamaCppRunner:
                 raise RuntimeError(
                     f"all {self.options.max_sequences} llama.cpp sequences are in use"
                 )
-            sid = self._seq_ids[session_id] = self._free_ids.pop()
+            sid = self._seq_ids[session_id] = heapq.heappop(self._free_ids)
             self._ends[sid] = 0
         return sid
 
@@ -583,7 +635,7 @@ class LlamaCppRunner:
             del self._kept[sid]
             self._free_kept.append(sid)
         else:
-            self._free_ids.append(sid)
+            heapq.heappush(self._free_ids, sid)
 
     def close(self) -> None:
         """Free llama.cpp's context and model (a worker that exits need not)."""

@@ -96,6 +96,7 @@ class EngineConfig:
             max_prefill_tokens_per_tick=self.max_prefill_tokens_per_tick,
             layout=layout,
             max_waiting=self.max_waiting,
+            session_cap=runner.spec.max_session_tokens,
         )
 
 

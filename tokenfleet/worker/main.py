@@ -71,9 +71,19 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         fairness = FairnessConfig(band_share=settings.band_share, hold_s=settings.hold_s)
     except ValueError as exc:
         raise InvalidBudget(str(exc)) from exc
+    max_active = settings.max_active
+    if settings.kv_streams:
+        if settings.runner != "llamacpp":
+            raise InvalidBudget("--kv-streams is the llama.cpp runner's KV layout")
+        if prefix_cache_on(settings):
+            raise InvalidBudget(
+                "--kv-streams gives each job a stream of cells of its own; prefix sharing "
+                "lends cells within one pool: drop --prefix-cache (or --kv-streams)"
+            )
+        max_active = min(max_active, settings.kv_streams)  # a stream per active job
     return EngineConfig(
         kv_budget_bytes=settings.kv_mb * MiB,
-        max_active=settings.max_active,
+        max_active=max_active,
         max_batch_size=settings.max_batch,
         max_prefill_tokens_per_tick=settings.prefill_tokens,
         max_waiting=settings.max_waiting,
@@ -199,19 +209,23 @@ def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], No
     return runner, info, None
 
 
-def llamacpp_options(engine: EngineConfig, threads: int | None) -> LlamaCppOptions:
+def llamacpp_options(
+    engine: EngineConfig, threads: int | None, kv_streams: int = 0
+) -> LlamaCppOptions:
     """llama.cpp's context sized to what the engine will plan: the KV budget in cells,
     a sequence per active session, a batch as large as a tick's rows; prefix sharing as
-    the engine's prefix cache says (`threads` None: llama.cpp's default, governed)."""
+    the engine's prefix cache says (`threads` None: llama.cpp's default, governed);
+    `kv_streams` > 0: that many streams of cells (engine.max_active is at most that)."""
     from tokenfleet.model.llamacpp_runner import LlamaCppOptions
 
     return LlamaCppOptions(
         kv_budget_bytes=engine.kv_budget_bytes,
         block_size=engine.block_size,
-        max_sequences=engine.max_active,
+        max_sequences=kv_streams or engine.max_active,
         max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
         threads=threads,
         prefix_sharing=engine.prefix_cache,
+        kv_streams=kv_streams,
     )
 
 
@@ -239,7 +253,9 @@ def _llamacpp_runner(
             f"--runner llamacpp serves the file's own quantization on the CPU: "
             f"{', '.join(unsupported)} do not apply to it"
         )
-    runner = LlamaCppRunner(preset_file(settings.model), llamacpp_options(engine, settings.threads))
+    runner = LlamaCppRunner(
+        preset_file(settings.model), llamacpp_options(engine, settings.threads, settings.kv_streams)
+    )
     # torch only samples here (a few rows a tick): one thread, so that no OpenMP pool
     # spins beside llama.cpp's own threads between ticks
     import torch
