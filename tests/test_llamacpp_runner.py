@@ -445,7 +445,8 @@ def test_kv_streams_give_each_job_a_stream_of_cells_of_its_own() -> None:
     cells, one job in each. A job alone gives llama.cpp's own greedy tokens; eight jobs
     four at a time each get the logprobs their own context gives their tokens (a stream
     read by another job's rows would be nats off); a job past one stream is refused,
-    naming the stream; every job that ends frees its stream for the next."""
+    naming the stream; every job that ends frees its stream for the next, and a job
+    left above a freed id moves down into it (so a tick's ids stay consecutive)."""
     assert SMOLLM2 is not None
     token_bytes = 30 * 3 * 64 * 2 * 2  # SmolLM2: layers x KV heads x head dim x (K, V) x f16
     kv = 2048 * token_bytes + token_bytes * 100  # 2,148 cells: streams round down to 512
@@ -464,7 +465,10 @@ def test_kv_streams_give_each_job_a_stream_of_cells_of_its_own() -> None:
         assert abs(streams.allocated["KV"] - 2048 * token_bytes) <= 0.01 * MiB
         assert streams.spec.max_session_tokens == 512 and not streams.spec.shares_prefix
         assert streams.info["kv_layout"] == "4 streams of 512 cells (a job fits one)"
-        requests = jobs(streams, new=24)
+        requests = [  # of 12-24 tokens: they end apart, leaving ids free below live ones
+            r.model_copy(update={"max_new_tokens": 12 + 4 * (i % 4)})
+            for i, r in enumerate(jobs(streams, new=24))
+        ]
         config = EngineConfig(kv_budget_bytes=kv, max_active=4, max_batch_size=4)
         engine = Engine(streams, config)
         past = GenerationRequest(job_id="past", prompt_ids=[1] * 100, max_new_tokens=413)
@@ -472,9 +476,12 @@ def test_kv_streams_give_each_job_a_stream_of_cells_of_its_own() -> None:
         decision = engine.submit(past)
         assert decision.reason is AdmissionReason.REJECTED_KV_BUDGET
         assert "one session may hold 512 on this runner" in decision.message
-        greedy = requests[:4]
+        greedy = [r.model_copy(update={"max_new_tokens": 24}) for r in requests[:4]]
         assert serve(streams, greedy, concurrency=1) == llama_cpp_alone(SMOLLM2, greedy, 24)
         served = served_with_logprobs(streams, requests, 4, kv=kv)
+        # jobs ending apart left ids free below live ones: those moved down (their
+        # streams copied), and their tokens still read their own cells (below)
+        assert streams.moved > 0
         assert_own_context(streams, requests, served, "4 streams", kv)
     finally:
         streams.close()

@@ -360,6 +360,7 @@ class LlamaCppRunner:
             options.max_sequences if options.max_kept is None else options.max_kept,
             len(self._free_kept),
         )
+        self.moved = 0  # sequences moved down to a free id (streams: `_compact`)
         self.recomputed_tokens = 0  # prefix tokens no kept sequence held any more
         self._recomputed: dict[str, int] = {}  # ... by session, while it runs
         self.sampling = TickSampler()
@@ -438,6 +439,10 @@ class LlamaCppRunner:
         if n > len(self._token):
             raise ValueError(f"a tick of {n} tokens exceeds the runner's {len(self._token)}")
         states = self.sampling.states(plan, sampling)
+        if self.stream_cells:  # new sessions take the lowest free ids, then gaps close
+            for entry in plan.entries:
+                self._seq_id(entry.seq.session_id)
+            self._compact()
         fed: list[tuple[int, int]] = []  # (sequence id, first position) of each entry
         for entry in plan.entries:  # each sequence's cells end where its entry starts
             sid = self._seq_id(entry.seq.session_id)
@@ -446,27 +451,37 @@ class LlamaCppRunner:
             start = entry.position if isinstance(entry, DecodeStep) else entry.start
             self._place(sid, entry, start)
             fed.append((sid, start))
-        flagged: list[int] = []  # batch rows whose logits are read, in batch order
-        sample_rows: list[int] = []
-        echoes: list[Echo] = []
+        # the batch's rows: entries in sequence id order with streams (llama.cpp cuts a
+        # ubatch at the first id that is not the last one + 1), else in the plan's order
+        order = list(range(len(fed)))
+        if self.stream_cells:
+            order.sort(key=lambda i: fed[i][0])
+        first_row = [0] * len(fed)
         at = 0
-        for entry, (sid, start) in zip(plan.entries, fed, strict=True):
-            if isinstance(entry, DecodeStep):
-                ids, samples = [entry.token_id], True
-            else:
-                ids, samples = entry.token_ids, entry.samples
-                echo = Echo.of(entry, at)
-                if echo is not None:
-                    echoes.append(echo)
-                    flagged.extend(echo.rows)
+        for i in order:
+            entry, (sid, start) = plan.entries[i], fed[i]
+            ids = [entry.token_id] if isinstance(entry, DecodeStep) else entry.token_ids
             end = at + len(ids)
             self._token[at:end] = ids
             self._pos[at:end] = np.arange(start, start + len(ids), dtype=np.int32)
             self._seq[at:end] = sid
-            if samples:
-                sample_rows.append(end - 1)
-                flagged.append(end - 1)
+            first_row[i] = at
             at = end
+        flagged: list[int] = []  # batch rows whose logits are read
+        sample_rows: list[int] = []  # in the plan's order, as the sampler reads them
+        echoes: list[Echo] = []
+        for i, entry in enumerate(plan.entries):
+            if isinstance(entry, DecodeStep):
+                last, samples = first_row[i], True
+            else:
+                last, samples = first_row[i] + entry.length - 1, entry.samples
+                echo = Echo.of(entry, first_row[i])
+                if echo is not None:
+                    echoes.append(echo)
+                    flagged.extend(echo.rows)
+            if samples:
+                sample_rows.append(last)
+                flagged.append(last)
         self._flag[:n] = 0
         self._flag[flagged] = 1
         self._batch.n_tokens = n
@@ -546,6 +561,24 @@ class LlamaCppRunner:
             sid = self._seq_ids[session_id] = heapq.heappop(self._free_ids)
             self._ends[sid] = 0
         return sid
+
+    def _compact(self) -> None:
+        """With streams: while an id below the highest live one is free, move the highest
+        live sequence there (`llama_memory_seq_cp` across streams: llama.cpp copies the
+        stream's buffers at the start of the next decode; a stream of SmolLM2's 512
+        cells is 11.8 MB), so the live ids stay consecutive and a tick stays one ubatch
+        (a gap would cut every later tick in two forwards, each reading the weights)."""
+        while self._free_ids and self._seq_ids:
+            low = self._free_ids[0]
+            session, high = max(self._seq_ids.items(), key=lambda item: item[1])
+            if high < low:
+                return
+            heapq.heapreplace(self._free_ids, high)
+            self.lib.llama_memory_seq_cp(self.memory, high, low, -1, -1)
+            self.lib.llama_memory_seq_rm(self.memory, high, -1, -1)
+            self._seq_ids[session] = low
+            self._ends[low] = self._ends.pop(high)
+            self.moved += 1
 
     def _place(self, sid: int, entry: DecodeStep | PrefillChunk, start: int) -> None:
         """Make the sequence's cells end at `start`, where this tick feeds it from, and
