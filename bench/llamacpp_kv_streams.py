@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_cpp import llama_cpp as lib
+from report import machine_info
 
 from tokenfleet.model.smollm2 import require_smollm2_gguf
 
@@ -90,13 +91,6 @@ def tick_ms(model: Any, unified: bool, cells: int, kept: int = 0, prompt: int = 
         lib.llama_free(ctx)
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -123,7 +117,7 @@ def main() -> None:
         print(f"{label}: {s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f}) ms")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    facts = {"prompt": args.prompt, "seqs": SEQS, "ticks": TICKS, "cpu": cpu_name()}
+    facts = {"prompt": args.prompt, "seqs": SEQS, "ticks": TICKS, "machine": machine_info()}
     out.write_text(json.dumps({**facts, "runs": runs, "summary": summary}, indent=2))
     try:
         import matplotlib

@@ -361,9 +361,8 @@ def test_status_shows_each_workers_engine_and_why() -> None:
         "float32 int8 compiled"
     )
     llama = {"runner": "llamacpp", "source_quant": "Q4_1", "extra_bufts": True}
-    assert engine_summary({**llama, "kv_layout": "one pool (unified)"}) == "llama.cpp Q4_1"
-    streams = {**llama, "kv_layout": "8 streams of 1280 cells (a job fits one)"}
-    assert engine_summary(streams) == "llama.cpp Q4_1 8 streams"
+    assert engine_summary({**llama, "kv_streams": 0}) == "llama.cpp Q4_1"
+    assert engine_summary({**llama, "kv_streams": 8}) == "llama.cpp Q4_1 8 streams"
     console = Console(width=200, record=True)
     status = {"prefix": "tf:", "dead_letters": 0, "queues": [], "workers": {"w1": worker}}
     console.print(render_status(status))

@@ -457,7 +457,7 @@ def test_kv_streams_give_each_job_a_stream_of_cells_of_its_own() -> None:
         max_tick_tokens=4 + 256,
         threads=2,
         prefix_sharing=False,
-        kv_streams=4,
+        kv_streams=True,
     )
     streams = LlamaCppRunner(SMOLLM2, options)
     try:

@@ -197,8 +197,7 @@ def engine_summary(worker: Mapping[str, Any]) -> str:
     default start's plan), quant, compiled, deterministic; on llama.cpp, the file's type."""
     if worker.get("runner") == "llamacpp":
         repack = "" if worker.get("extra_bufts", True) else " no-repack"
-        layout = str(worker.get("kv_layout") or "")
-        streams = f" {layout.split()[0]} streams" if "streams" in layout else ""
+        streams = f" {worker['kv_streams']} streams" if worker.get("kv_streams") else ""
         return f"llama.cpp {worker.get('source_quant') or '?'}{repack}{streams}"
     parts = [str(worker.get("dtype") or "?")]
     plan = worker.get("engine")

@@ -18,18 +18,19 @@ budget, rounded up by llama.cpp) and tracks how far each sequence's cells go. A 
 that restarts a session at an earlier position (a retry after a failed tick) removes
 the cells from there first. Two layouts (`LlamaCppOptions.kv_streams`):
 
-    0 (default)   one pool of cells for every sequence (`kv_unified`), as the
-                  scheduler's one block pool: a job may use every cell; but each decode
-                  row's attention walks the whole range of cells in use (the other
-                  sequences' masked), a cost that grows with the jobs beside it
-    N             llama-server's layout (`-np N`): N streams of cells/N each (rounded
-                  down to llama.cpp's 256), a sequence per stream; a row's attention
-                  walks its own stream's cells only. A job must fit one stream
-                  (`ModelSpec.max_session_tokens`: admission refuses a longer one, the
-                  gateway sees it in `max_job_tokens`), N run at once at most; no prefix sharing
-                  (cells are lent within a stream, never across). Sequence ids are
-                  handed out lowest first: a ubatch spans the streams from its lowest
-                  sequence id to its highest.
+    False (default)  one pool of cells for every sequence (`kv_unified`), as the
+                     scheduler's one block pool: a job may use every cell; but each
+                     decode row's attention walks the whole range of cells in use (the
+                     other sequences' masked), a cost that grows with the jobs beside it
+    True             llama-server's layout (`-np N`, N = `max_sequences`, the worker's
+                     `--kv-streams N`): N streams of cells/N each (rounded down to
+                     llama.cpp's 256), a sequence per stream; a row's attention walks
+                     its own stream's cells only. A job must fit one stream
+                     (`ModelSpec.max_session_tokens`: admission refuses a longer one,
+                     the gateway sees it in `max_job_tokens`); no prefix sharing. Each
+                     tick's rows go in sequence id order, and ids are kept consecutive
+                     (`_compact`): llama.cpp cuts a ubatch at the first id that is not
+                     the previous one + 1.
 
 Prefix sharing. `BlockCells` maps each block of the scheduler's pool to the sequences
 whose cells hold it. A session whose plan starts past a prefix the engine's cache found
@@ -139,8 +140,8 @@ class LlamaCppOptions:
     # blocks (None: as many as max_sequences; at most the ids the live ones leave)
     prefix_sharing: bool = True
     max_kept: int | None = None
-    # 0: one pool of cells (kv_unified); N: N streams (max_sequences is N), see above
-    kv_streams: int = 0
+    # a KV stream per sequence (max_sequences streams), else one pool: see above
+    kv_streams: bool = False
 
 
 def import_llama_cpp() -> ModuleType:
@@ -232,13 +233,9 @@ class LlamaCppRunner:
                 f"llama.cpp runs at most {MAX_SEQUENCES} sequences at once; "
                 f"max_active is {options.max_sequences}"
             )
-        streams = options.kv_streams
-        if streams and (streams != options.max_sequences or options.prefix_sharing):
-            raise ModelLoadError(
-                f"{streams} KV streams take a sequence each ({options.max_sequences} "
-                f"asked) and lend no cells (prefix sharing is "
-                f"{'on' if options.prefix_sharing else 'off'})"
-            )
+        streams = options.max_sequences if options.kv_streams else 0
+        if streams and options.prefix_sharing:
+            raise ModelLoadError("KV streams lend no cells: prefix sharing needs one pool")
         self.options = options
         lib = self.lib = import_llama_cpp()
         lib.llama_backend_init()
@@ -313,6 +310,7 @@ class LlamaCppRunner:
                 else "on (no AMX)"
             ),
             "cells": self.cells,
+            "kv_streams": streams,
             "kv_layout": (
                 f"{streams} streams of {self.stream_cells} cells (a job fits one)"
                 if streams
@@ -361,6 +359,7 @@ class LlamaCppRunner:
             len(self._free_kept),
         )
         self.moved = 0  # sequences moved down to a free id (streams: `_compact`)
+        self._freed = False  # a sequence id was freed since the last `_compact`
         self.recomputed_tokens = 0  # prefix tokens no kept sequence held any more
         self._recomputed: dict[str, int] = {}  # ... by session, while it runs
         self.sampling = TickSampler()
@@ -439,7 +438,7 @@ class LlamaCppRunner:
         if n > len(self._token):
             raise ValueError(f"a tick of {n} tokens exceeds the runner's {len(self._token)}")
         states = self.sampling.states(plan, sampling)
-        if self.stream_cells:  # new sessions take the lowest free ids, then gaps close
+        if self._freed:  # new sessions take the lowest free ids, then gaps close
             for entry in plan.entries:
                 self._seq_id(entry.seq.session_id)
             self._compact()
@@ -567,7 +566,10 @@ class LlamaCppRunner:
         live sequence there (`llama_memory_seq_cp` across streams: llama.cpp copies the
         stream's buffers at the start of the next decode; a stream of SmolLM2's 512
         cells is 11.8 MB), so the live ids stay consecutive and a tick stays one ubatch
-        (a gap would cut every later tick in two forwards, each reading the weights)."""
+        (a gap would cut every later tick in two forwards, each reading the weights).
+        Only after an id was freed: ids are handed out lowest first, so no gap opens
+        otherwise."""
+        self._freed = False
         while self._free_ids and self._seq_ids:
             low = self._free_ids[0]
             session, high = max(self._seq_ids.items(), key=lambda item: item[1])
@@ -669,6 +671,7 @@ class LlamaCppRunner:
             self._free_kept.append(sid)
         else:
             heapq.heappush(self._free_ids, sid)
+            self._freed = bool(self.stream_cells)
 
     def close(self) -> None:
         """Free llama.cpp's context and model (a worker that exits need not)."""

@@ -225,7 +225,7 @@ def llamacpp_options(
         max_tick_tokens=engine.max_batch_size + engine.max_prefill_tokens_per_tick,
         threads=threads,
         prefix_sharing=engine.prefix_cache,
-        kv_streams=kv_streams,
+        kv_streams=kv_streams > 0,
     )
 
 
