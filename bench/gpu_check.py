@@ -6,6 +6,7 @@
     python bench/gpu_check.py install-plan DIR    wheels whose distribution is missing
     python bench/gpu_check.py env OUT.json         interpreter, torch, CUDA, packages
     python bench/gpu_check.py compiled OUT.json    eager vs compiled decode step times
+    python bench/gpu_check.py graphs OUT.json      eager vs CUDA-graph decode step times
     python bench/gpu_check.py plan OUT.json        the default start's engine plan, and
                                                    --deterministic: starts, batch-invariant
     python bench/gpu_check.py summary DETAILS OUT.json
@@ -122,6 +123,19 @@ def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup
     return seconds, out.clone()
 
 
+def _versus_eager(run: dict[str, Any], batch: int, seconds: float, logits: Any, ref: Any) -> Any:
+    """A faster path's step at `batch` rows against the eager one in `run`: its time,
+    speed-up and how far its logits are from eager's."""
+    scale = max(float(ref.abs().max()), 1.0)
+    return {
+        "step_ms": seconds * 1e3,
+        "tok_s": batch / seconds,
+        "speedup": run["eager"][str(batch)]["step_ms"] / (seconds * 1e3),
+        "rel_err_vs_eager": float((logits - ref).abs().max()) / scale,
+        "top1_vs_eager": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+    }
+
+
 def cmd_compiled(args: argparse.Namespace) -> None:
     import torch
     from _common import build_checkpoint
@@ -195,17 +209,7 @@ def cmd_compiled(args: argparse.Namespace) -> None:
                 for b in batches:
                     # a new tick size may record a graph / specialise: warm it up first
                     s, logits = _time_decode(model, pool, b, args.context, args.iters, 5)
-                    ref = eager_logits[b]
-                    scale = max(float(ref.abs().max()), 1.0)
-                    run["compiled"][str(b)] = {
-                        "step_ms": s * 1e3,
-                        "tok_s": b / s,
-                        "speedup": run["eager"][str(b)]["step_ms"] / (s * 1e3),
-                        "rel_err_vs_eager": float((logits - ref).abs().max()) / scale,
-                        "top1_vs_eager": float(
-                            (logits.argmax(-1) == ref.argmax(-1)).float().mean()
-                        ),
-                    }
+                    run["compiled"][str(b)] = _versus_eager(run, b, s, logits, eager_logits[b])
                     print(
                         f"{shape} {dtype} compiled batch {b:>3}: {s * 1e3:8.3f} ms "
                         f"({run['compiled'][str(b)]['speedup']:.2f}x)",
@@ -221,6 +225,67 @@ def cmd_compiled(args: argparse.Namespace) -> None:
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
     save()
+
+
+def cmd_graphs(args: argparse.Namespace) -> None:
+    """Decode-only forwards eager and replayed from CUDA graphs (tokenfleet/model/
+    cuda_graph.py) on the same pool: ms a step, and how far the logits are apart. On a
+    CPU (a dry run) the graphs' padded tick runs eagerly: it proves the step, not speed."""
+    import torch
+    from _common import build_checkpoint
+
+    from tokenfleet.model import load_model
+    from tokenfleet.model.cuda_graph import install
+
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda:
+        torch.set_float32_matmul_precision("high")
+    batches = [int(b) for b in args.batches.split(",")]
+    out: dict[str, Any] = {
+        "device": args.device,
+        "device_name": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "context": args.context,
+        "iters": args.iters,
+        "runs": [],
+    }
+    for dtype in args.dtypes.split(","):
+        for shape in args.configs.split(","):
+            run: dict[str, Any] = {"config": shape, "dtype": dtype, "eager": {}, "graphs": {}}
+            out["runs"].append(run)
+            try:
+                with tempfile.TemporaryDirectory() as folder:
+                    build_checkpoint(shape, Path(folder), max_positions=2048)
+                    loaded = load_model(folder, device=args.device, dtype=dtype)
+                model = loaded.model
+                per_seq = -(-(args.context + 1) // BLOCK)
+                pool = model.new_kv_pool(per_seq * max(batches), BLOCK)
+                eager = {}
+                for b in batches:
+                    s, eager[b] = _time_decode(model, pool, b, args.context, args.iters, 3)
+                    run["eager"][str(b)] = {"step_ms": s * 1e3, "tok_s": b / s}
+                graphs = install(model, max_rows=max(batches), max_context=2048)
+                started = time.perf_counter()
+                graphs.bind(pool, widths=(per_seq,))
+                run["capture_s"] = time.perf_counter() - started
+                run["captured"] = len(graphs.stats.captured)
+                for b in batches:
+                    s, logits = _time_decode(model, pool, b, args.context, args.iters, 3)
+                    run["graphs"][str(b)] = _versus_eager(run, b, s, logits, eager[b])
+                    print(
+                        f"{shape} {dtype} batch {b:>3}: eager {run['eager'][str(b)]['step_ms']:.3f}"
+                        f" ms, graphs {s * 1e3:.3f} ms",
+                        flush=True,
+                    )
+                run["replays"] = graphs.stats.replays
+                model.decode_graph = None
+            except Exception as e:  # record and go on with the next config
+                run["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"{shape} {dtype} FAILED: {run['error']}", flush=True)
+            finally:
+                Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+                if cuda:
+                    torch.cuda.empty_cache()
 
 
 # ---- summary --------------------------------------------------------------------------
@@ -349,6 +414,7 @@ def cmd_summary(args: argparse.Namespace) -> None:
         "tests": _junit(details / "cuda_reference.xml"),
         "cuda_reference_records": records,
         "compiled": _read_json(details / "compiled.json"),
+        "graphs": _read_json(details / "graphs.json"),
         "plan": _read_json(details / "plan.json"),
         "engine": {},
     }
@@ -447,6 +513,13 @@ def main() -> None:
     p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--mode", default=None, help="default: reduce-overhead on CUDA, else default")
+    p = command(cmd_graphs, "out")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--configs", default="small,smollm2-shape")
+    p.add_argument("--dtypes", default="bf16,fp32")
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--context", type=int, default=128, help="cached tokens per sequence")
+    p.add_argument("--iters", type=int, default=50)
     p = command(cmd_plan, "out")
     p.add_argument("--device", default="cuda")
     p.add_argument("--models", default="tiny-random")

