@@ -194,7 +194,8 @@ def render_status(status: dict[str, Any]) -> Group:
 
 def engine_summary(worker: Mapping[str, Any]) -> str:
     """How a worker runs its model, short: dtype, the narrow format and its rows (a
-    default start's plan), quant, compiled, deterministic; on llama.cpp, the file's type."""
+    default start's plan), quant, compiled, CUDA graphs, deterministic; on llama.cpp, the
+    file's type."""
     if worker.get("runner") == "llamacpp":
         repack = "" if worker.get("extra_bufts", True) else " no-repack"
         streams = f" {worker['kv_streams']} streams" if worker.get("kv_streams") else ""
@@ -209,6 +210,8 @@ def engine_summary(worker: Mapping[str, Any]) -> str:
         parts.append("graph")
     elif worker.get("compile_mode"):
         parts.append("compiled")
+    if worker.get("cuda_graphs"):
+        parts.append("cuda-graphs")
     if worker.get("deterministic"):
         parts.append("det")
     return " ".join(parts)

@@ -17,6 +17,13 @@ file's own Q4_0 / Q4_1 blocks (the file's very values), int8 per channel otherwi
 0.1% of the dense perplexity, docs/benchmarks.md). Then the forward is compiled, with whole
 decode ticks as one graph (`decode_graph.py`) where the paged kernel builds.
 
+A CPU without bf16 (AVX2 only) serves the model in float32, and the plan is made the
+same way: the narrow weights are then called with the activations rounded to bf16 (the
+packed kernels' fast path; float32 activations are ~10x slower there), the result back in
+float32 (`PackedWeight.matmul`). On an AVX2 EPYC Zen 3 that took a SmolLM2 decode tick from
+78 ms (dense float32, eager) to 20 ms (int4 layers, int8 head, the decode graph), the
+greedy tokens the float32 model's (docs/benchmarks.md).
+
 Small models (under `AUTO_MIN_PARAMS`: test and toy models) start as before, dense and
 eager: compiling costs seconds to minutes at start, and a second set of weights buys them
 nothing anyone waits for. The probe's figures are cached per CPU, thread count, torch
@@ -82,9 +89,9 @@ def plan_engine(
     model = loaded.model
     compile_ = compile_asked if compile_asked is not None else True
     params = sum(p.numel() for p in model.parameters())
-    if loaded.device.type != "cpu" or loaded.dtype != torch.bfloat16:
-        why = f"dense {str(loaded.dtype).removeprefix('torch.')} on {loaded.device}"
-        why += ": packed weights run on a CPU with bf16 activations only"
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    if loaded.device.type != "cpu" or loaded.dtype not in (torch.bfloat16, torch.float32):
+        why = f"dense {dtype} on {loaded.device}: packed weights are CPU kernels"
         return EnginePlan(None, 0, 0, compile_asked is True, False, why, {})
     if params < AUTO_MIN_PARAMS:
         why = f"small model ({params / 1e6:.1f}M parameters < {AUTO_MIN_PARAMS / 1e6:.0f}M): "
@@ -106,10 +113,10 @@ def plan_engine(
         for kind, make in {"dense": lambda: _dense(loaded), **candidates}.items():
             weights = make()
             head = {"lm_head": weights.pop("lm_head")}
-            probe[kind], calm = _time_pass(weights)
+            probe[kind], calm = _time_pass(weights, loaded.dtype)
             steady = steady and calm
             if kind in ("dense", "int8"):  # the head: one matrix, its own crossover
-                probe[f"head_{kind}"], calm = _time_pass(head)
+                probe[f"head_{kind}"], calm = _time_pass(head, loaded.dtype)
                 steady = steady and calm
         if steady:  # a probe that other processes disturbed is not kept
             _write(path, probe)
@@ -121,14 +128,14 @@ def plan_engine(
     graph = compile_ and _kernel_builds()
     how = "one graph per decode tick" if graph else "compiled pieces" if compile_ else "eager"
     if rows == 0:
-        why = f"dense bf16 at every row count ({best} {probe[best][1]:.1f} ms vs dense "
+        why = f"dense {dtype} at every row count ({best} {probe[best][1]:.1f} ms vs dense "
         why += f"{dense[1]:.1f} ms per one-row tick of layer matmuls); {how}"
         return EnginePlan(None, 0, 0, compile_, False, why, probe, cached)
     why = (
         f"{best} layers for decode ticks of <= {rows} rows ({probe[best][1]:.1f} vs dense "
         f"{dense[1]:.1f} ms of layer matmuls at one row), int8 LM head for <= {head_rows} "
         f"({probe['head_int8'][1]:.1f} vs {probe['head_dense'][1]:.1f} ms at one row), "
-        f"dense bf16 above ({probe[best][16]:.1f} vs {dense[16]:.1f} ms at 16); {how}"
+        f"dense {dtype} above ({probe[best][16]:.1f} vs {dense[16]:.1f} ms at 16); {how}"
     )
     narrow: QuantKind = "int4" if best == "int4" else "int8"
     return EnginePlan(narrow, rows, head_rows, compile_, graph, why, probe, cached)
@@ -186,7 +193,7 @@ def _packed(
     return out
 
 
-def _time_pass(weights: dict[str, Weight]) -> tuple[dict[int, float], bool]:
+def _time_pass(weights: dict[str, Weight], dtype: torch.dtype) -> tuple[dict[int, float], bool]:
     """The fastest of 5 passes over every matrix (after a warm one), ms per row count,
     and whether the passes agreed (within 1.5x: nothing else took the cores). Each pass
     runs every row count once, so a burst of other work spoils one pass of each count
@@ -203,7 +210,7 @@ def _time_pass(weights: dict[str, Weight]) -> tuple[dict[int, float], bool]:
                     width = w.in_features if isinstance(w, PackedWeight) else w.shape[1]
                     x = inputs.get((rows, width))
                     if x is None:
-                        x = inputs[(rows, width)] = torch.randn(rows, width, dtype=torch.bfloat16)
+                        x = inputs[(rows, width)] = torch.randn(rows, width, dtype=dtype)
                     linear(x, w, None, shape)
                 if n:  # the first pass warms
                     times[rows].append(time.perf_counter() - started)

@@ -222,8 +222,8 @@ class LlamaModel(nn.Module):
         module name, e.g. a GGUF file's own Q4 blocks, used as they are) beside the dense
         weights, for decode ticks of at most `max_rows` rows (`is_narrow`), the head for
         up to `head_rows` of them (default: as many)."""
-        if self.dtype != torch.bfloat16:
-            raise QuantError(f"{kind} weights run with bfloat16 activations, not {self.dtype}")
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise QuantError(f"{kind} weights go beside bfloat16 or float32 ones, not {self.dtype}")
         if self.compiled is not None or self.decode_graph is not None:
             raise QuantError("add the narrow weights before compiling")
         given = prepacked or {}

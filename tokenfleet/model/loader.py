@@ -89,7 +89,7 @@ def _load_quantized(
             dtype = "bfloat16"
     torch_dtype = resolve_dtype(dtype, torch_device)
     # int4 from a GGUF file: its Q4_0 / Q4_1 blocks are taken as they are
-    aside = q4_aside and quant is None and torch_dtype == torch.bfloat16
+    aside = q4_aside and quant is None and torch_dtype in (torch.bfloat16, torch.float32)
     loaded = _load(path_or_preset, torch_dtype, torch_device, keep_q4=quant == "int4", aside=aside)
     if quant is None:
         return loaded

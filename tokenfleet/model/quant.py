@@ -92,7 +92,8 @@ class PackedWeight:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
 
     def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
-        """x [T, in] bf16 -> x @ w.T [T, out] bf16.
+        """x [T, in] bf16 (or float32, rounded to bf16 for the packed kernels) -> x @ w.T
+        [T, out] in x's dtype.
 
         The packed kernels win while a call reads more weight bytes than it does
         arithmetic: up to ~16 rows here. A longer int8 call (a prefill chunk)
@@ -102,6 +103,11 @@ class PackedWeight:
         `one_kernel` (deterministic mode): the packed kernel at every row count, since
         the two kernels round differently, so a row's result would depend on how many
         rows share its call."""
+        if x.dtype != torch.bfloat16 and (self.kind == "int4" or x.shape[0] <= PACKED_MAX_ROWS):
+            # the packed kernels' fast path is bf16 activations (float32 ones are 10x
+            # slower on AVX2 and AVX-512 alike): a float32 model rounds its activations
+            # to bf16 for the call, as a bf16 model holds them anyway
+            return self.matmul(x.bfloat16(), one_kernel=one_kernel).to(x.dtype)
         if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
             dense = self.data.to(x.dtype) * self.scales[:, None]
             y: Tensor = torch.nn.functional.linear(x, dense)
