@@ -123,6 +123,20 @@ def _time_decode(model: Any, pool: Any, batch: int, ctx: int, iters: int, warmup
     return seconds, out.clone()
 
 
+def _decode_model(shape: str, dtype: str, device: str, context: int, batches: list[int]) -> Any:
+    """A random checkpoint of `shape` loaded on `device`, and a KV pool holding `context`
+    tokens for each of the largest batch's sequences: (model, pool)."""
+    from _common import build_checkpoint
+
+    from tokenfleet.model import load_model
+
+    with tempfile.TemporaryDirectory() as folder:
+        build_checkpoint(shape, Path(folder), max_positions=2048)
+        model = load_model(folder, device=device, dtype=dtype).model
+    per_seq = -(-(context + 1) // BLOCK)
+    return model, model.new_kv_pool(per_seq * max(batches), BLOCK)
+
+
 def _versus_eager(run: dict[str, Any], batch: int, seconds: float, logits: Any, ref: Any) -> Any:
     """A faster path's step at `batch` rows against the eager one in `run`: its time,
     speed-up and how far its logits are from eager's."""
@@ -138,9 +152,6 @@ def _versus_eager(run: dict[str, Any], batch: int, seconds: float, logits: Any, 
 
 def cmd_compiled(args: argparse.Namespace) -> None:
     import torch
-    from _common import build_checkpoint
-
-    from tokenfleet.model import load_model
 
     try:
         from tokenfleet.model.compiled import compile_model
@@ -179,13 +190,8 @@ def cmd_compiled(args: argparse.Namespace) -> None:
             run: dict[str, Any] = {"config": shape, "dtype": dtype, "eager": {}, "compiled": {}}
             out["runs"].append(run)
             try:
-                with tempfile.TemporaryDirectory() as folder:
-                    build_checkpoint(shape, Path(folder), max_positions=2048)
-                    loaded = load_model(folder, device=args.device, dtype=dtype)
-                model = loaded.model
-                run["params"] = loaded.config.param_count
-                per_seq = -(-(args.context + 1) // BLOCK)
-                pool = model.new_kv_pool(per_seq * max(batches), BLOCK)
+                model, pool = _decode_model(shape, dtype, args.device, args.context, batches)
+                run["params"] = model.config.param_count
                 eager_logits = {}
                 for b in batches:
                     s, logits = _time_decode(model, pool, b, args.context, args.iters, 3)
@@ -232,9 +238,7 @@ def cmd_graphs(args: argparse.Namespace) -> None:
     cuda_graph.py) on the same pool: ms a step, and how far the logits are apart. On a
     CPU (a dry run) the graphs' padded tick runs eagerly: it proves the step, not speed."""
     import torch
-    from _common import build_checkpoint
 
-    from tokenfleet.model import load_model
     from tokenfleet.model.cuda_graph import install
 
     cuda = torch.device(args.device).type == "cuda"
@@ -254,12 +258,8 @@ def cmd_graphs(args: argparse.Namespace) -> None:
             run: dict[str, Any] = {"config": shape, "dtype": dtype, "eager": {}, "graphs": {}}
             out["runs"].append(run)
             try:
-                with tempfile.TemporaryDirectory() as folder:
-                    build_checkpoint(shape, Path(folder), max_positions=2048)
-                    loaded = load_model(folder, device=args.device, dtype=dtype)
-                model = loaded.model
+                model, pool = _decode_model(shape, dtype, args.device, args.context, batches)
                 per_seq = -(-(args.context + 1) // BLOCK)
-                pool = model.new_kv_pool(per_seq * max(batches), BLOCK)
                 eager = {}
                 for b in batches:
                     s, eager[b] = _time_decode(model, pool, b, args.context, args.iters, 3)

@@ -1,7 +1,7 @@
 """Decode ticks on CUDA replayed from captured CUDA graphs.
 
 On a GPU a small model's decode tick is bound by the host, not the device: SmolLM2's
-30 layers are ~450 kernel launches and the Python between them, 16 ms a tick eager on
+30 layers are hundreds of kernel launches and the Python between them, 16 ms a tick eager on
 an H200 whatever the row count (bench/results-gpu-check-h200-2026-12-04.json), where
 the arithmetic takes a small fraction of that. A CUDA graph records the launches of one
 tick once and replays them with one call; what the host then does per tick is to copy
@@ -106,7 +106,7 @@ class CudaGraphDecode:
         self._model = model
         self.max_rows = max_rows
         self.max_context = max_context
-        self.max_width = -(-max_context // 16)  # in blocks; set from the pool by `bind`
+        self.max_width = 0  # the widest table in blocks: set from the pool by `bind`
         # A graph reads the pool it was recorded on, at its addresses: the graphs belong
         # to one pool (`bind`), the engine's, which lives as long as the worker.
         self._kv: KVPool | None = None
