@@ -18,12 +18,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # `--runner llamacpp` (an optional extra): llama-cpp-python, which PyPI has as source only,
-# built for this CPU (-march=native) without its multimodal library. pip keeps the built
-# wheel in its cache (~/.cache/pip), so another venv on this machine installs it at once;
-# a wheel built on one CPU may not run on another (clear pip's cache when moving).
+# patched for gcc 12's AMX miscompile and built for this CPU (-march=native) without its
+# multimodal library (scripts/llama_cpp_python.sh). The wheel is kept per CPU under
+# ~/.cache/tokenfleet/llama.cpp/wheels, so another venv on this machine installs it at once.
 LLAMACPP_STAMP := $(VENV)/.llamacpp
-$(LLAMACPP_STAMP): $(STAMP)
-	CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" $(BIN)/pip install -q -e '.[llamacpp]'
+$(LLAMACPP_STAMP): $(STAMP) scripts/llama_cpp_python.sh
+	$(BIN)/pip install -q "$$(bash scripts/llama_cpp_python.sh wheel $(BIN)/pip)"
 	touch $(LLAMACPP_STAMP)
 
 llamacpp: $(LLAMACPP_STAMP)

@@ -33,25 +33,9 @@ if built; then
 fi
 mkdir -p "$ROOT"
 
-# 1. Source: sdist from PyPI, unpacked once.
-if [[ ! -f $SRC/CMakeLists.txt ]]; then
-  python3 -m pip download -q --no-deps --no-binary :all: \
-    "llama-cpp-python==$VERSION" -d "$ROOT"
-  tar -xzf "$ROOT/llama_cpp_python-$VERSION.tar.gz" -C "$ROOT"
-fi
-
-# 2. gcc-12 miscompile: it drops the stores filling the AMX tile config before
-#    _tile_loadconfig(&tc), so Q4_1 matmuls with >1 row SIGILL on AMX CPUs.
-#    A compiler barrier keeps the stores (same cause as upstream PR #26954).
-MMQ=$SRC/ggml/src/ggml-cpu/amx/mmq.cpp
-if ! grep -q 'asm volatile("" : : "r"(&tc) : "memory");' "$MMQ"; then
-  sed -i 's|^\([[:space:]]*\)_tile_loadconfig(&tc);|\1asm volatile("" : : "r"(\&tc) : "memory");\n\1_tile_loadconfig(\&tc);|' "$MMQ"
-fi
-n_load=$(grep -c '_tile_loadconfig(&tc);' "$MMQ")
-n_barrier=$(grep -c 'asm volatile("" : : "r"(&tc) : "memory");' "$MMQ")
-if [[ $n_load -eq 0 || $n_load -ne $n_barrier ]]; then
-  echo "AMX barrier patch failed ($n_barrier barriers / $n_load loadconfig)" >&2; exit 1
-fi
+# 1-2. Source: the llama-cpp-python sdist from PyPI (it vendors llama.cpp), unpacked once
+#      and patched for gcc 12's AMX miscompile (scripts/llama_cpp_python.sh says how).
+"$(dirname "$0")/../scripts/llama_cpp_python.sh" source >/dev/null
 
 # 3. Tools: use system cmake/ninja, else pip-install them into a throwaway venv.
 if ! command -v cmake >/dev/null || ! command -v ninja >/dev/null; then

@@ -254,16 +254,25 @@ def test_the_worker_hash_says_what_it_runs_and_what_llama_cpp_allocated(
         assert info["checkpoint"] == SMOLLM2 and info["source_quant"] == "Q4_1"
         assert info["quant"] is None and info["threads"] == 1
 
-        # llama.cpp's weight repacking: off on an AMX CPU (it crashes there), on elsewhere
+        # llama.cpp's weight repacking: on, except on an AMX CPU with a llama-cpp-python
+        # built without the AMX tile-config fix (it crashes there); `make llamacpp`'s build
+        # has the fix and says so in its version's local label
         amx = bool({"amx_int8", "amx_bf16", "amx_tile"} & cpu_flags())
+        fixed = info["llama_cpp_python"] == "0.3.36+tokenfleet.amx"
+        assert info["llama_cpp_python"] in ("0.3.36", "0.3.36+tokenfleet.amx"), info
         assert isinstance(info["extra_bufts"], bool)
-        assert info["extra_bufts"] is not amx, info["extra_bufts_why"]
-        if amx:
-            assert "AMX" in info["extra_bufts_why"] and "#20824" in info["extra_bufts_why"]
-        else:
+        assert info["extra_bufts"] is (fixed or not amx), info["extra_bufts_why"]
+        if not amx:
             assert info["extra_bufts_why"] == "on (no AMX)"
+        elif fixed:
+            assert info["extra_bufts_why"].startswith("on: AMX CPU"), info["extra_bufts_why"]
+        else:
+            assert "AMX" in info["extra_bufts_why"] and "#20824" in info["extra_bufts_why"]
         # `tokenfleet status` names the runner and the file's type
-        assert engine_summary(info) == ("llama.cpp Q4_1 no-repack" if amx else "llama.cpp Q4_1")
+        repack_off = amx and not fixed
+        assert engine_summary(info) == (
+            "llama.cpp Q4_1 no-repack" if repack_off else "llama.cpp Q4_1"
+        )
 
         # llama.cpp's cells hold at least every token of the KV budget, and its KV buffer
         # is those cells (f16 K and V)

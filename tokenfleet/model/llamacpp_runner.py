@@ -50,15 +50,19 @@ buffers, the KV cells and the compute and output buffers; the fixed ones count a
 node's weight bytes, so admission stays exact.
 
 AMX. On a CPU with AMX, llama.cpp repacks weights into an AMX buffer ("extra buffer
-types") and, built by gcc 12, the first decode crashes (llama.cpp#20824; the AMX tile
-config is miscompiled: ../shared/FACTS.md). The runner turns that repacking off there
-(`use_extra_bufts = false`: the plain CPU kernels) and says so in `info`.
+types"). Built by gcc 12 from the released source, that path crashes in the first decode
+(llama.cpp#20824): gcc drops the stores that fill the AMX tile config. `make llamacpp`
+builds llama-cpp-python with a compiler barrier there (scripts/llama_cpp_python.sh) and
+labels its version `+tokenfleet.amx`; with that build the runner keeps the repacking on
+(llama.cpp's AMX kernels, as llama-server built the same way uses them). With any other
+build it turns the repacking off on AMX CPUs (`use_extra_bufts = false`: the plain
+AVX-512 kernels). `info` says which and why.
 
-llama-cpp-python is pinned (`LLAMA_CPP_PYTHON`): from 0.3.17 its bindings expose only
-the `llama_memory_*` KV calls (the `llama_kv_self_*` ones are gone), and the ctypes
-structs this module fills (`llama_batch`, the model and context params) must match the
-library it was built with. It is an optional extra built from source
-(`make llamacpp`).
+llama-cpp-python is pinned (`LLAMA_CPP_PYTHON`, a local version label allowed): from
+0.3.17 its bindings expose only the `llama_memory_*` KV calls (the `llama_kv_self_*`
+ones are gone), and the ctypes structs this module fills (`llama_batch`, the model and
+context params) must match the library it was built with. It is an optional extra built
+from source (`make llamacpp`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ import heapq
 import logging
 import os
 import re
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -102,6 +107,7 @@ __all__ = ["LLAMA_CPP_PYTHON", "LlamaCppOptions", "LlamaCppRunner", "LlamaCppUna
 logger = logging.getLogger(__name__)
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the pinned llama-cpp-python (pyproject's `llamacpp` extra)
+AMX_FIXED = "tokenfleet.amx"  # the local version label of a build with the AMX tile-config fix
 INSTALL_HINT = "make llamacpp (builds llama-cpp-python from source, ~15-20 min on 2 cores)"
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ
 KV_BYTES = 2  # llama.cpp's default K and V cache type: f16
@@ -134,7 +140,8 @@ class LlamaCppOptions:
     max_sequences: int  # sessions at once (the node's max_active): llama.cpp seq ids
     max_tick_tokens: int  # decode rows + prefill tokens one tick may carry
     threads: int | None = None  # None: one per core
-    extra_bufts: bool | None = None  # llama.cpp's weight repacking; None: off on AMX CPUs
+    # llama.cpp's weight repacking; None: on, except on AMX CPUs with a build lacking the fix
+    extra_bufts: bool | None = None
     # share cached prefixes between sessions (the engine's prefix cache) where the
     # model's KV allows it; how many finished sequences are kept for their cached
     # blocks (None: as many as max_sequences; at most the ids the live ones leave)
@@ -154,7 +161,7 @@ def import_llama_cpp() -> ModuleType:
             f"--runner llamacpp needs llama-cpp-python=={LLAMA_CPP_PYTHON}: {INSTALL_HINT} ({exc})"
         ) from exc
     version = getattr(llama_cpp, "__version__", "?")
-    if version != LLAMA_CPP_PYTHON:
+    if version.partition("+")[0] != LLAMA_CPP_PYTHON:
         raise LlamaCppUnavailable(
             f"--runner llamacpp is written against llama-cpp-python=={LLAMA_CPP_PYTHON} "
             f"(its ctypes structs must match the library), found {version}: {INSTALL_HINT}"
@@ -240,7 +247,9 @@ class LlamaCppRunner:
         lib = self.lib = import_llama_cpp()
         lib.llama_backend_init()
         amx = bool({"amx_int8", "amx_bf16", "amx_tile"} & cpu_flags())
-        extra = options.extra_bufts if options.extra_bufts is not None else not amx
+        version = str(getattr(sys.modules.get("llama_cpp"), "__version__", "?"))
+        amx_fixed = version.partition("+")[2] == AMX_FIXED
+        extra = options.extra_bufts if options.extra_bufts is not None else amx_fixed or not amx
         threads = options.threads or os.cpu_count() or 1
         ubatch = min(options.max_tick_tokens, 512)  # llama-server's default ubatch
         with _Log.install(lib).capture() as lines:
@@ -300,14 +309,19 @@ class LlamaCppRunner:
             self._spec = replace(self._spec, max_session_tokens=self.stream_cells)
         self.info: dict[str, Any] = {
             "runner": "llamacpp",
-            "llama_cpp_python": LLAMA_CPP_PYTHON,
+            "llama_cpp_python": version,
             "extra_bufts": extra,
             "extra_bufts_why": (
                 f"set to {extra}"
                 if options.extra_bufts is not None
-                else "off: AMX CPU (its weight repacking crashes here: llama.cpp#20824)"
-                if amx
                 else "on (no AMX)"
+                if not amx
+                else "on: AMX CPU, llama-cpp-python built with the AMX tile-config fix"
+                if amx_fixed
+                else (
+                    "off: AMX CPU, and this llama-cpp-python lacks the AMX tile-config fix "
+                    "(its weight repacking crashes: llama.cpp#20824; make llamacpp builds it)"
+                )
             ),
             "cells": self.cells,
             "kv_streams": streams,
