@@ -2,7 +2,8 @@
 llama.cpp's `llama-server` on the same SmolLM2-135M-Instruct GGUF, the same 2 threads.
 
 Usage: python bench/default_vs_llamaserver.py [--variants 'default=,int4=--quant int4']
-           (the llama.cpp runner: --variants 'llamacpp=--runner llamacpp' --theirs q4_1)
+           (the llama.cpp runner: --variants 'llamacpp=--runner llamacpp' --theirs q4_1;
+           leading VAR=VALUE words set the worker's environment: 'old=TOKENFLEET_X=0')
            [--theirs q4_1,q8_0] [--rounds 3 (--quick: 1)] [--quick] [--llamacpp-bin DIR]
            [--out bench/out/default_vs_llamaserver.json]
            [--plot bench/out/default_vs_llamaserver.png]
@@ -54,8 +55,10 @@ quant, compile ...) after warm-up and at the end. Prints a markdown table (media
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -97,6 +100,7 @@ MODEL = "smollm2-135m-instruct"
 THREADS = 2
 VOCAB = int(MODEL_CONFIGS["smollm2-shape"]["vocab_size"])  # SmolLM2-135M's vocabulary
 READY_S = 600.0  # a worker's load (and compile) may be slow
+_ENV_WORD = re.compile(r"[A-Z_][A-Z0-9_]*=")
 JOB_TIMEOUT_S = 600.0
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx_vnni")
 SCENARIOS = ("one", "multi", "mixed")
@@ -138,10 +142,13 @@ class WorkerSide:
 
     def __init__(self, fleet: Fleet, name: str, flags: list[str], log_dir: Path) -> None:
         self.name = f"tokenfleet {name}"
-        self.args = ["--model", MODEL, "--threads", str(THREADS), *flags]
+        # leading VAR=VALUE words are the worker's environment, the rest its flags
+        env = dict(f.split("=", 1) for f in itertools.takewhile(_ENV_WORD.match, flags))
+        self.env = env
+        self.args = ["--model", MODEL, "--threads", str(THREADS), *flags[len(env) :]]
         self.group: LocalWorkers = fleet.workers(f"bench-dvl-{name}:", self.args, log_dir=log_dir)
         start = time.perf_counter()
-        (self.worker,) = self.group.start(1, name_prefix=f"dvl-{name}")
+        (self.worker,) = self.group.start(1, name_prefix=f"dvl-{name}", env=env)
         self.group.wait_live(timeout=READY_S)
         self.ready_s = time.perf_counter() - start
         self.producer = fleet.producer(self.group)
@@ -495,6 +502,7 @@ def main() -> None:
                 bench.warm_up(worker)
                 beats[worker.name] = {
                     "args": worker.args,
+                    "env": worker.env,
                     "ready_s": worker.ready_s,
                     "heartbeat_after_warm_up": worker.heartbeat(),
                 }

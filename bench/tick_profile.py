@@ -45,6 +45,7 @@ MATMULS = (
     "aten::_weight_int4pack_mm_for_cpu",
     "aten::_weight_int8pack_mm",
     "tokenfleet::int8_linear",
+    "tokenfleet::q4_linear",
     "aten::mm",
     "aten::addmm",
     "aten::bmm",

@@ -3,7 +3,8 @@ this model by a short measured probe, not by a table.
 
 What decides a CPU tick's speed is how its matmuls read the weights. A decode tick of a
 few rows reads every weight once and does little arithmetic with it: fewer bytes win
-(packed int4 / int8 through torch's weight-only kernels). A wide tick (a prefill chunk,
+(packed int4 / int8: tokenfleet's int4 x int8 and int8 x int8 kernels where the CPU has
+AVX512-VNNI, torch's weight-only kernels elsewhere). A wide tick (a prefill chunk,
 many decodes) is arithmetic: the dense bf16 weights on the CPU's matrix units win (AMX
 tiles on a Xeon; AVX512-BF16 elsewhere). Where those two cross depends on the CPU, so
 `plan_engine` measures it: one pass over every layer's matrices and the LM head, in each
@@ -49,11 +50,19 @@ from torch import Tensor
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.cpu import cpu_flags
 from tokenfleet.model.layers import LayerShape, Weight, linear
-from tokenfleet.model.quant import PackedWeight, QuantKind, quantize, resident_bytes
+from tokenfleet.model.quant import (
+    PackedWeight,
+    QuantKind,
+    int4_blocks,
+    quantize,
+    resident_bytes,
+)
 
 AUTO_MIN_PARAMS = 50_000_000
 PROBE_ROWS = (1, 2, 4, 8, 16)
-PROBE_VERSION = 2  # bump when the probe measures something else (2: int8 runs the VNNI kernel)
+# bump when the probe measures something else (2: int8 runs the VNNI kernel; 3: the int4
+# layout, llama.cpp's blocks on tokenfleet's kernel or torch's, is part of the key)
+PROBE_VERSION = 3
 _PROBE_PASSES = 5
 
 
@@ -116,7 +125,7 @@ def plan_engine(
             probe[kind], calm = _time_pass(weights, loaded.dtype)
             steady = steady and calm
             if kind in ("dense", "int8"):  # the head: one matrix, its own crossover
-                probe[f"head_{kind}"], calm = _time_pass(head, loaded.dtype)
+                probe[f"head_{kind}"], calm = _time_pass(head, loaded.dtype, weights)
                 steady = steady and calm
         if steady:  # a probe that other processes disturbed is not kept
             _write(path, probe)
@@ -193,25 +202,36 @@ def _packed(
     return out
 
 
-def _time_pass(weights: dict[str, Weight], dtype: torch.dtype) -> tuple[dict[int, float], bool]:
+def _time_pass(
+    weights: dict[str, Weight], dtype: torch.dtype, between: dict[str, Weight] | None = None
+) -> tuple[dict[int, float], bool]:
     """The fastest of 5 passes over every matrix (after a warm one), ms per row count,
     and whether the passes agreed (within 1.5x: nothing else took the cores). Each pass
     runs every row count once, so a burst of other work spoils one pass of each count
     rather than every pass of one count (which once moved a crossover from 16 rows to
-    8 on a shared EPYC Zen 4)."""
+    8 on a shared EPYC Zen 4). `between`: matrices run (untimed, one row) before each
+    timed pass, as a tick runs the layers before its head: timed alone, the LM head
+    stayed in a large L3 (the Xeon AMX VM) and its dense bf16 form read 2.1 ms at 8 rows
+    where a real tick spent 4.4."""
     shape = LayerShape(1, 1, 1, 1, 1e-5)  # plain matmuls: no row tiles
     inputs: dict[tuple[int, int], Tensor] = {}
     times: dict[int, list[float]] = {rows: [] for rows in PROBE_ROWS}
+
+    def run(ws: dict[str, Weight], rows: int) -> None:
+        for w in ws.values():
+            width = w.in_features if isinstance(w, PackedWeight) else w.shape[1]
+            x = inputs.get((rows, width))
+            if x is None:
+                x = inputs[(rows, width)] = torch.randn(rows, width, dtype=dtype)
+            linear(x, w, None, shape)
+
     with torch.inference_mode():
         for n in range(_PROBE_PASSES + 1):
             for rows in PROBE_ROWS:
+                if between:
+                    run(between, 1)
                 started = time.perf_counter()
-                for w in weights.values():
-                    width = w.in_features if isinstance(w, PackedWeight) else w.shape[1]
-                    x = inputs.get((rows, width))
-                    if x is None:
-                        x = inputs[(rows, width)] = torch.randn(rows, width, dtype=dtype)
-                    linear(x, w, None, shape)
+                run(weights, rows)
                 if n:  # the first pass warms
                     times[rows].append(time.perf_counter() - started)
     out = {rows: round(min(t) * 1000, 3) for rows, t in times.items()}
@@ -230,6 +250,7 @@ def _cache_path(loaded: LoadedModel, kinds: list[str], cache_dir: Path | None) -
         repr(loaded.config),
         loaded.source_quant,
         sorted(kinds),
+        int4_blocks(),
     ):
         h.update(repr(part).encode())
     root = cache_dir or Path(

@@ -8,12 +8,20 @@ activations (their fast path: with float32 activations int8 is ~20x slower here,
 
     int8  `_weight_int8pack_mm`: w = q * scale[out], q in [-127, 127]; up to 16 rows on
           a CPU with AVX512-VNNI, tokenfleet's int8 x int8 kernel (`int8_vnni`)
-    int4  `_weight_int4pack_mm_for_cpu`: w = (q - 8) * scale[g, out] + zero[g, out]
-          for each group g of 32 input columns, q in [0, 15]
+    int4  w = q * d[out, g] + m[out, g] for each group g of 32 input columns, q in
+          [0, 15] (llama.cpp's Q4_1). On a CPU with AVX512-VNNI, kept in llama.cpp's own
+          block layout and run by tokenfleet's kernel (`q4_linear`: the activations
+          quantized per block of 32 as llama.cpp's Q8_1, the nibbles summed by vpdpbusd);
+          elsewhere torch's `_weight_int4pack_mm_for_cpu` (its private packed layout,
+          scale d and zero m + 8d in bf16)
 
 Measured here (SmolLM2-135M's 121 matrices in a row, 2 threads, bf16 13.8 ms):
 int8 5.1 ms and int4 3.2 ms at one row, 10.7 / 7.0 ms at 8 rows (bf16 15.4); at 256
 rows (a prefill chunk) they are 2.7x slower than bf16, see `PackedWeight.matmul`.
+The int4 x int8 kernel against torch's int4 one, in SmolLM2 decode ticks on the Xeon
+AMX (bench/tick_profile.py, 2026-12-04): 3.0 vs 3.6 ms of layer matmuls at one row,
+10.2 vs 12.1 at 8 rows; the quantized activations cost the decode path's perplexity
++0.65 % of fp32 there (bench/default_quality.py; llama.cpp's Q4_1 pays the same way).
 
 Quantized from the dense weights at load, except where a GGUF file's matrices are
 already llama.cpp Q4_0 / Q4_1 blocks (32 values, one scale, one offset: int4's
@@ -43,6 +51,7 @@ PACKED_MAX_ROWS = 16
 # llama.cpp's Q8_0 dot product does.
 VNNI_MAX_ROWS = 16
 _vnni: bool | None = None
+_q4_blocks: bool | None = None
 
 
 @torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # traced: a constant
@@ -67,6 +76,24 @@ def set_int8_vnni(on: bool | None) -> None:
     _vnni = None if on is None else (on and _vnni_possible())
 
 
+def int4_blocks() -> bool:
+    """Whether int4 weights are packed from now on in llama.cpp's Q4_1 block layout for
+    `tokenfleet::q4_linear` (AVX512-VNNI, see `int8_vnni`), else in torch's layout for
+    `_weight_int4pack_mm_for_cpu`. Decided at packing: a weight keeps its layout. Off
+    with `TOKENFLEET_INT4_VNNI=0`."""
+    global _q4_blocks
+    if _q4_blocks is None:
+        _q4_blocks = os.environ.get("TOKENFLEET_INT4_VNNI", "1") != "0" and _vnni_possible()
+    return _q4_blocks
+
+
+def set_int4_blocks(on: bool | None) -> None:
+    """Force the int4 layout for weights packed from now on (benchmarks, tests); None:
+    decide again as at start."""
+    global _q4_blocks
+    _q4_blocks = None if on is None else (on and _vnni_possible())
+
+
 def _vnni_possible() -> bool:
     from tokenfleet.model.attention import paged_cpu
 
@@ -79,17 +106,29 @@ class QuantError(ValueError):
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """One linear layer's weight in a quantized format (see the module docstring)."""
+    """One linear layer's weight in a quantized format (see the module docstring).
+    int4 comes in two layouts, told apart by the scales' dtype (so compiled graphs,
+    which see the tensors, specialise on it): llama.cpp's blocks (float16 scales) or
+    torch's packed layout (bf16)."""
 
     kind: QuantKind
-    data: Tensor  # int8 [out, in], or int4-packed (torch's CPU layout)
-    scales: Tensor  # int8: bf16 [out]; int4: bf16 [in / 32, out, 2] (scale, zero)
+    # int8 [out, in]; int4 blocks: uint8 [out, in / 2], byte 16 g + j holding q[32 g + j]
+    # in its low nibble and q[32 g + 16 + j] in its high one; or int4 in torch's layout
+    data: Tensor
+    # int8: bf16 [out]; int4 blocks: float16 [2, out, in / 32] (d, m); torch's int4:
+    # bf16 [in / 32, out, 2] (d, m + 8 d)
+    scales: Tensor
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
+
+    @property
+    def blocks(self) -> bool:
+        """int4 in llama.cpp's block layout, for `tokenfleet::q4_linear`."""
+        return self.kind == "int4" and self.scales.dtype == torch.float16
 
     def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
         """x [T, in] bf16 (or float32, rounded to bf16 for the packed kernels) -> x @ w.T
@@ -100,9 +139,18 @@ class PackedWeight:
         dequantizes the matrix to bf16 for that call and runs the dense matmul, 1.9x
         faster at 256 rows; int4 has no cheap way back to bf16 (torch keeps its packed
         layout private), so its prefill runs at the packed kernel's speed.
+        int4 in blocks has its way back: above 16 rows it is dequantized for the call.
         `one_kernel` (deterministic mode): the packed kernel at every row count, since
         the two kernels round differently, so a row's result would depend on how many
         rows share its call."""
+        if self.blocks:
+            if x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
+                return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+            if x.dtype == torch.bfloat16:  # (the eager path: no no-op casts)
+                y4: Tensor = torch.ops.tokenfleet.q4_linear(x, self.data, self.scales)
+                return y4
+            y4 = torch.ops.tokenfleet.q4_linear(x.bfloat16(), self.data, self.scales)
+            return y4.to(x.dtype)
         if x.dtype != torch.bfloat16 and (self.kind == "int4" or x.shape[0] <= PACKED_MAX_ROWS):
             # the packed kernels' fast path is bf16 activations (with float32 ones int8
             # was 9.6x slower on an AVX2 EPYC Zen 3, ~20x on AVX-512: module docstring):
@@ -120,11 +168,18 @@ class PackedWeight:
         return y
 
     def dequantize(self) -> Tensor:
-        """The float32 weight [out, in] these bytes stand for: exact for int8; for int4
-        read back through the kernel (torch keeps its packed layout private), so each
-        value is rounded to bf16."""
+        """The float32 weight [out, in] these bytes stand for: exact for int8 and for int4
+        in blocks; int4 in torch's layout is read back through its kernel (torch keeps
+        that layout private), so each value is rounded to bf16."""
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
+        if self.blocks:
+            out, groups = self.out_features, self.in_features // INT4_GROUP
+            nib = self.data.view(out, groups, 16)
+            q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()  # [out, groups, 32]
+            d, m = self.scales.float()
+            w: Tensor = q * d[..., None] + m[..., None]
+            return w.view(out, self.in_features)
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.data.device)
         return self.matmul(eye).float().t().contiguous()
 
@@ -147,16 +202,14 @@ def quantize_int4(w: Tensor) -> PackedWeight:
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [out, groups]
     scale = ((hi - lo) / 15.0).clamp(min=1e-12).bfloat16().float()
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    zero = lo + 8.0 * scale  # w = (q - 8) * scale + zero
-    return _pack_int4(q.view(out, inp).to(torch.int32), scale, zero)
+    return _pack_int4(q.view(out, inp).to(torch.int32), scale, lo)  # w = q * scale + lo
 
 
 def from_q4_blocks(d: Tensor, m: Tensor | None, q: Tensor) -> PackedWeight:
     """llama.cpp Q4_0 (m None: w = (q - 8) * d) or Q4_1 (w = q * d + m) blocks as they
     are: d, m [out, in / 32] float, q [out, in] ints in [0, 15]."""
-    scale = d.float()
-    zero = torch.zeros_like(scale) if m is None else m.float() + 8.0 * scale
-    return _pack_int4(q.to(torch.int32), scale, zero)
+    d = d.float()
+    return _pack_int4(q.to(torch.int32), d, -8.0 * d if m is None else m.float())
 
 
 @dataclass(frozen=True)
@@ -181,10 +234,16 @@ class Q4Fields:
         return from_q4_blocks(self.d, self.m, self.q)
 
 
-def _pack_int4(q: Tensor, scale: Tensor, zero: Tensor) -> PackedWeight:
+def _pack_int4(q: Tensor, d: Tensor, m: Tensor) -> PackedWeight:
+    """w = q * d + m: q [out, in] in [0, 15], d and m [out, in / 32]."""
     out, inp = q.shape
+    if int4_blocks():  # llama.cpp's block layout (see `PackedWeight`)
+        halves = q.view(out, inp // INT4_GROUP, 2, 16).to(torch.uint8)
+        data = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, inp // 2)
+        return PackedWeight("int4", data, torch.stack([d, m]).half().contiguous(), out, inp)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    scales = torch.stack([scale.t(), zero.t()], dim=-1).bfloat16().contiguous()  # [G, out, 2]
+    zero = m + 8.0 * d  # torch's kernel: w = (q - 8) * scale + zero
+    scales = torch.stack([d.t(), zero.t()], dim=-1).bfloat16().contiguous()  # [G, out, 2]
     return PackedWeight("int4", packed, scales, out, inp)
 
 

@@ -3,7 +3,8 @@
 `load()` compiles the C++ file with torch's cpp_extension (gcc, -O3 -march=native;
 ~40 s the first time, then a cached .so under ~/.cache/tokenfleet/ext keyed by the
 source and the CPU), loads it as `torch.ops.tokenfleet.decode_attention` (and the
-int8 x int8 matmul, `torch.ops.tokenfleet.int8_linear`, that `model/quant.py` uses),
+int8 x int8 and int4 x int8 matmuls, `torch.ops.tokenfleet.int8_linear` and `q4_linear`,
+that `model/quant.py` uses),
 and gives the ops shape-only ("fake") implementations so compiled graphs can call them. It
 returns False, with the reason in `failure()`, where no compiler is at hand: callers
 then keep the portable SDPA path.
@@ -61,6 +62,10 @@ def load() -> bool:
 
     @torch.library.register_fake("tokenfleet::int8_linear")  # type: ignore[untyped-decorator]
     def _int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # [M, N] bf16
+        return x.new_empty((x.shape[0], w.shape[0]))
+
+    @torch.library.register_fake("tokenfleet::q4_linear")  # type: ignore[untyped-decorator]
+    def _q4(x: Tensor, w: Tensor, dm: Tensor) -> Tensor:  # [M, N] bf16
         return x.new_empty((x.shape[0], w.shape[0]))
 
     return True
