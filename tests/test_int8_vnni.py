@@ -65,23 +65,31 @@ def test_a_row_gets_the_same_bits_alone_or_among_others() -> None:
 
 
 def test_where_it_does_not_apply_it_is_torchs_kernel() -> None:
-    """More than 16 rows, or an input width that is not a multiple of 64."""
-    for rows, inp in ((VNNI_MAX_ROWS + 1, 576), (2, 96)):
-        x, w = _case(rows, 64, inp)
-        got = torch.ops.tokenfleet.int8_linear(x, w.data, w.scales)
-        assert torch.equal(got, torch.ops.aten._weight_int8pack_mm(x, w.data, w.scales))
+    """An input width that is not a multiple of 64 (any row count is served)."""
+    x, w = _case(2, 64, 96)
+    got = torch.ops.tokenfleet.int8_linear(x, w.data, w.scales)
+    assert torch.equal(got, torch.ops.aten._weight_int8pack_mm(x, w.data, w.scales))
+    x, w = _case(VNNI_MAX_ROWS + 1, 64, 576)
+    got = torch.ops.tokenfleet.int8_linear(x, w.data, w.scales)
+    assert not torch.equal(got, torch.ops.aten._weight_int8pack_mm(x, w.data, w.scales))
 
 
-def test_packed_int8_calls_take_it_up_to_16_rows_and_not_in_deterministic_mode() -> None:
-    x, w = _case(VNNI_MAX_ROWS, 576, 576, seed=5)
+def test_packed_int8_calls_take_it_up_to_16_rows_and_at_every_count_in_deterministic_mode() -> None:
+    x, w = _case(40, 576, 576, seed=5)
     kernel = torch.ops.tokenfleet.int8_linear(x, w.data, w.scales)
     torchs = torch.ops.aten._weight_int8pack_mm(x, w.data, w.scales)
     assert not torch.equal(kernel, torchs)  # they round differently: the test can tell
+    few = x[:VNNI_MAX_ROWS]
     quant.set_int8_vnni(True)
     try:
-        assert torch.equal(w.matmul(x), kernel)
-        assert torch.equal(w.matmul(x, one_kernel=True), torchs)
+        assert torch.equal(w.matmul(few), kernel[:VNNI_MAX_ROWS])
+        # above 16 rows the dequantized dense matmul, except in deterministic mode,
+        # where every row count runs the kernel, so a row rounds alike in any batch
+        assert not torch.equal(w.matmul(x), kernel)
+        assert torch.equal(w.matmul(x, one_kernel=True), kernel)
+        assert torch.equal(w.matmul(x[:1], one_kernel=True), kernel[:1])
         quant.set_int8_vnni(False)
-        assert torch.equal(w.matmul(x), torchs)
+        assert torch.equal(w.matmul(few), torchs[:VNNI_MAX_ROWS])
+        assert torch.equal(w.matmul(x, one_kernel=True), torchs)
     finally:
         quant.set_int8_vnni(None)

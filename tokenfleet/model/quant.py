@@ -61,8 +61,10 @@ def int8_vnni() -> bool:
     per block of 32, summed by vpdpbusd, where torch's `_weight_int8pack_mm` widens
     every weight to bf16 (SmolLM2's layers at one row on an EPYC Zen 4: see
     docs/benchmarks.md). On wherever the kernel builds with AVX512-VNNI, unless
-    `TOKENFLEET_INT8_VNNI=0`. Never in deterministic mode (`one_kernel`): it serves at
-    most 16 rows, and longer calls would round the other kernel's way."""
+    `TOKENFLEET_INT8_VNNI=0`. In deterministic mode (`one_kernel`) it serves every row
+    count: a row's result depends on no other row (each row quantized on its own), and
+    torch's kernel, which it once fell back to there, cost 0.66x of the mixed workload's
+    tok/s on the Xeon AMX (bench/deterministic.py)."""
     global _vnni
     if _vnni is None:
         _vnni = os.environ.get("TOKENFLEET_INT8_VNNI", "1") != "0" and _vnni_possible()
@@ -159,7 +161,7 @@ class PackedWeight:
         if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
             dense = self.data.to(x.dtype) * self.scales[:, None]
             y: Tensor = torch.nn.functional.linear(x, dense)
-        elif self.kind == "int8" and not one_kernel and x.shape[0] <= VNNI_MAX_ROWS and int8_vnni():
+        elif self.kind == "int8" and (one_kernel or x.shape[0] <= VNNI_MAX_ROWS) and int8_vnni():
             y = torch.ops.tokenfleet.int8_linear(x, self.data, self.scales)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)

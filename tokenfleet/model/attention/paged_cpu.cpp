@@ -326,8 +326,6 @@ at::Tensor decode_attention(
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(TOKENFLEET_BF16_DOT)
 #define TOKENFLEET_VNNI 1
 
-constexpr int64_t kMaxVnniRows = 16;
-
 struct QuantRows {  // the activations, quantized per block of 32
   std::vector<uint8_t> mag;        // |qx| [M, K]
   std::vector<__mmask64> neg;      // qx < 0, per 64 inputs [M, K / 64]
@@ -401,7 +399,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #ifdef TOKENFLEET_VNNI
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
-      scales.scalar_type() == at::kBFloat16 && K % 64 == 0 && M <= kMaxVnniRows && M > 0) {
+      scales.scalar_type() == at::kBFloat16 && K % 64 == 0 && M > 0) {
     auto xc = x.contiguous();
     auto wc = w.contiguous();
     auto sc = scales.contiguous();
