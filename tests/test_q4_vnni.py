@@ -1,10 +1,11 @@
 """tokenfleet's int4 x int8 kernel (`tokenfleet::q4_linear`, attention/paged_cpu.cpp): int4
-weights in llama.cpp's Q4_1 blocks (w = q * d + m per block of 32, the nibbles in
-llama.cpp's order) times the activations quantized to int8 per block of 32 (d = max |x|
-/ 127), as llama.cpp's Q4_1 x Q8_1 dot product. Checked against the same arithmetic
-written in torch, against the exact product, for row independence at any row count, for
-widths that leave a partial 4-block step, and through `PackedWeight` (which layout int4
-weights get, and which kernel a call of how many rows runs)."""
+weights as llama.cpp's Q4_1 blocks hold them (w = q * d + m per block of 32, float16 d
+and m), laid out 16 output rows at a time, times the activations quantized to int8 per
+block of 32 (d = max |x| / 127), as llama.cpp's Q4_1 x Q8_1 dot product. Checked against
+the same arithmetic written in torch, against the exact product, for row independence at
+any row count, for output counts that leave a short last group of 16, and through
+`PackedWeight` (which layout int4 weights get, and which kernel a call of how many rows
+runs)."""
 
 from __future__ import annotations
 
@@ -28,40 +29,57 @@ def blocks_layout() -> object:
     quant.set_int4_blocks(None)
 
 
-def _case(rows: int, out: int, inp: int, seed: int = 0) -> tuple[torch.Tensor, quant.PackedWeight]:
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(out, inp, generator=g) * 0.05 + torch.linspace(-0.02, 0.03, inp)
-    x = torch.randn(rows, inp, generator=g) * torch.exp(torch.randn(rows, inp, generator=g))
-    return x.bfloat16(), quantize_int4(w)  # activations with a long tail, as a layer's are
+class Case:
+    """A Q4_1 weight built from known integers: q [out, in] in [0, 15], d and m [out, in /
+    32] (float16 values, so the packed weight holds them exactly), and activations with a
+    long tail, as a layer's are."""
+
+    def __init__(self, rows: int, out: int, inp: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.q = torch.randint(0, 16, (out, inp), generator=g)
+        self.d = (torch.rand(out, inp // 32, generator=g) * 0.01 + 1e-3).half().float()
+        self.m = (torch.randn(out, inp // 32, generator=g) * 0.05).half().float()
+        self.w = from_q4_blocks(self.d, self.m, self.q)
+        x = torch.randn(rows, inp, generator=g) * torch.exp(torch.randn(rows, inp, generator=g))
+        self.x = x.bfloat16()
+
+    def kernel(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.w
+        return torch.ops.tokenfleet.q4_linear(
+            self.x if x is None else x, w.data, w.scales, w.out_features
+        )
+
+    def reference(self) -> torch.Tensor:
+        """The kernel's arithmetic in torch: per block of 32, qx = round(x * (1/dx)) (ties
+        to even), exact integer dot products with q, then dx * (d * dot + m * sum qx)."""
+        rows, inp = self.x.shape
+        groups = inp // 32
+        xb = self.x.float().view(rows, groups, 32)
+        dx = xb.abs().amax(-1) / 127.0
+        inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
+        qx = torch.round(xb * inv[..., None]).clamp(-127, 127).double()
+        q = self.q.view(-1, groups, 32).double()
+        dots = torch.einsum("mbk,nbk->mnb", qx, q)  # exact integers
+        d, m = self.d.double(), self.m.double()
+        y = dx.double()[:, None, :] * (d[None] * dots + m[None] * qx.sum(-1)[:, None, :])
+        return y.sum(-1).float()
 
 
-def _reference(x: torch.Tensor, w: quant.PackedWeight) -> torch.Tensor:
-    """The kernel's arithmetic in torch: per block of 32, qx = round(x * (1/dx)) (ties to
-    even), exact integer dot products with the nibbles, then dx * (d * dot + m * sum qx)."""
-    rows, inp = x.shape
-    groups = inp // 32
-    xb = x.float().view(rows, groups, 32)
-    dx = xb.abs().amax(-1) / 127.0
-    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
-    qx = torch.round(xb * inv[..., None]).clamp(-127, 127).double()
-    nib = w.data.view(w.out_features, groups, 16).long()
-    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).double()  # [out, groups, 32]
-    d, m = w.scales.double()
-    dots = torch.einsum("mbk,nbk->mnb", qx, q)  # exact integers
-    y = dx.double()[:, None, :] * (d[None] * dots + m[None] * qx.sum(-1)[:, None, :])
-    return y.sum(-1).float()
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 21])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 13, 16, 21])
 @pytest.mark.parametrize(
     ("out", "inp"),
-    [(960, 576), (576, 1536), (200, 64), (5, 96), (64, 32)],  # 576 / 96 / 32: a partial step
+    [(960, 576), (576, 1536), (200, 64), (5, 96), (64, 32)],  # 200 / 5: a short last group
 )
 def test_the_kernel_computes_the_q4_1_times_q8_1_dot_product(rows: int, out: int, inp: int) -> None:
-    x, w = _case(rows, out, inp)
+    c = Case(rows, out, inp)
+    w = c.w
     assert w.blocks and w.data.dtype == torch.uint8 and w.scales.dtype == torch.float16
-    got = torch.ops.tokenfleet.q4_linear(x, w.data, w.scales).float()
-    want = _reference(x, w)
+    # the weight holds q * d + m exactly (float16 d and m, 4-bit q), whatever the layout
+    want_w = (c.q.view(out, -1, 32) * c.d[..., None] + c.m[..., None]).view(out, inp)
+    assert torch.equal(w.dequantize(), want_w)
+    got = c.kernel().float()
+    assert got.shape == (rows, out)
+    want = c.reference()
     scale = want.abs().max()
     # the same integers and scales: only float32 summation order and the bf16 output
     assert float((got - want).abs().max() / scale) < 8e-3
@@ -69,36 +87,39 @@ def test_the_kernel_computes_the_q4_1_times_q8_1_dot_product(rows: int, out: int
     # and the quantized activations cost what llama.cpp's Q8_1 costs: within 3 % of the
     # exact product with the same int4 weights at a layer's widths (6 % at 32-96 inputs,
     # where fewer roundings average out)
-    exact = x.float() @ w.dequantize().t()
+    exact = c.x.float() @ want_w.t()
     limit = 3e-2 if inp >= 576 else 6e-2
     assert float((got - exact).abs().max() / exact.abs().max()) < limit
 
 
 def test_a_row_gets_the_same_bits_alone_or_among_others_at_any_row_count() -> None:
-    x, w = _case(37, 960, 576, seed=3)
-    together = torch.ops.tokenfleet.q4_linear(x, w.data, w.scales)
+    c = Case(37, 968, 576, seed=3)  # 968: a last group of 8 rows
+    together = c.kernel()
     for i in range(37):
-        alone = torch.ops.tokenfleet.q4_linear(x[i : i + 1], w.data, w.scales)
-        assert torch.equal(alone[0], together[i]), i
-    for m in (4, 5, 8, 17, 33):  # blocks of 4 rows and the rest
-        assert torch.equal(torch.ops.tokenfleet.q4_linear(x[:m], w.data, w.scales), together[:m])
+        assert torch.equal(c.kernel(c.x[i : i + 1])[0], together[i]), i
+    for m in (4, 5, 8, 9, 17, 33):  # blocks of 8 and 4 rows and the rest
+        assert torch.equal(c.kernel(c.x[:m]), together[:m])
 
 
 def test_bad_shapes_and_types_are_named() -> None:
-    x, w = _case(2, 64, 128)
+    c = Case(2, 64, 128)
+    w = c.w
     with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.tokenfleet.q4_linear(x[:, :96], w.data, w.scales)
+        torch.ops.tokenfleet.q4_linear(c.x[:, :96], w.data, w.scales, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        torch.ops.tokenfleet.q4_linear(c.x, w.data, w.scales, 65)
     with pytest.raises(RuntimeError, match="x bf16, w uint8, dm float16"):
-        torch.ops.tokenfleet.q4_linear(x.float(), w.data, w.scales)
-    assert torch.ops.tokenfleet.q4_linear(x[:0], w.data, w.scales).shape == (0, 64)
+        torch.ops.tokenfleet.q4_linear(c.x.float(), w.data, w.scales, 64)
+    assert c.kernel(c.x[:0]).shape == (0, 64)
 
 
 def test_packed_int4_calls_take_it_up_to_16_rows_and_always_in_deterministic_mode() -> None:
     """Up to 16 rows the kernel; above, the weight dequantized for the call and a dense
     bf16 matmul; `one_kernel` (deterministic mode) the kernel at every row count. A
     float32 model's activations go in as bf16 and come back float32."""
-    x, w = _case(40, 576, 576, seed=5)
-    kernel = torch.ops.tokenfleet.q4_linear(x, w.data, w.scales)
+    c = Case(40, 576, 576, seed=5)
+    w, x = c.w, c.x
+    kernel = c.kernel()
     dense = torch.nn.functional.linear(x, w.dequantize().bfloat16())
     assert not torch.equal(kernel, dense)  # they round differently: the test can tell
     assert torch.equal(w.matmul(x[:PACKED_MAX_ROWS]), kernel[:PACKED_MAX_ROWS])
@@ -127,7 +148,7 @@ def test_the_layout_follows_the_switch_and_both_hold_the_same_weights() -> None:
         )
 
 
-def test_a_gguf_files_q4_1_blocks_are_kept_bit_for_bit() -> None:
+def test_a_gguf_files_q4_1_blocks_are_kept_exactly() -> None:
     w = np.random.default_rng(1).standard_normal((16, 96)).astype(np.float32)
     q4 = gguf.GGMLQuantizationType.Q4_1
     blocks = gguf.quants.quantize(w, q4)
@@ -139,6 +160,6 @@ def test_a_gguf_files_q4_1_blocks_are_kept_bit_for_bit() -> None:
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(16, 96)
     p = from_q4_blocks(d, m, q)
     assert p.blocks
-    # llama.cpp's own bytes: the nibbles as the file has them, d and m its float16s
-    assert torch.equal(p.data, torch.from_numpy(raw[..., 4:].reshape(16, 48).copy()))
+    # llama.cpp's own values: its 4-bit q, its float16 d and m, the bytes as many
+    assert p.nbytes == blocks.nbytes
     assert torch.equal(p.dequantize(), ref)

@@ -61,8 +61,9 @@ from tokenfleet.model.quant import (
 AUTO_MIN_PARAMS = 50_000_000
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # bump when the probe measures something else (2: int8 runs the VNNI kernel; 3: the int4
-# layout, llama.cpp's blocks on tokenfleet's kernel or torch's, is part of the key)
-PROBE_VERSION = 3
+# layout, Q4_1 blocks on tokenfleet's kernel or torch's, is part of the key; 4: that
+# kernel reads 16 output rows per vector)
+PROBE_VERSION = 4
 _PROBE_PASSES = 5
 
 

@@ -114,11 +114,13 @@ class PackedWeight:
     torch's packed layout (bf16)."""
 
     kind: QuantKind
-    # int8 [out, in]; int4 blocks: uint8 [out, in / 2], byte 16 g + j holding q[32 g + j]
-    # in its low nibble and q[32 g + 16 + j] in its high one; or int4 in torch's layout
+    # int8 [out, in]; int4 blocks: uint8 [out rounded up to 16, in / 2], for each group g
+    # of 16 rows, block b of 32 inputs and step c of 8 inputs, 64 bytes: row 16 g + j's
+    # inputs 32 b + 8 c + i (i < 4) in the low nibbles of bytes 4 j + i and 32 b + 8 c + 4
+    # + i in their high ones; or int4 in torch's layout
     data: Tensor
-    # int8: bf16 [out]; int4 blocks: float16 [2, out, in / 32] (d, m); torch's int4:
-    # bf16 [in / 32, out, 2] (d, m + 8 d)
+    # int8: bf16 [out]; int4 blocks: float16 [2, out rounded up / 16, in / 32, 16] (d, m);
+    # torch's int4: bf16 [in / 32, out, 2] (d, m + 8 d)
     scales: Tensor
     out_features: int
     in_features: int
@@ -148,10 +150,11 @@ class PackedWeight:
         if self.blocks:
             if x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
                 return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+            n = self.out_features
             if x.dtype == torch.bfloat16:  # (the eager path: no no-op casts)
-                y4: Tensor = torch.ops.tokenfleet.q4_linear(x, self.data, self.scales)
+                y4: Tensor = torch.ops.tokenfleet.q4_linear(x, self.data, self.scales, n)
                 return y4
-            y4 = torch.ops.tokenfleet.q4_linear(x.bfloat16(), self.data, self.scales)
+            y4 = torch.ops.tokenfleet.q4_linear(x.bfloat16(), self.data, self.scales, n)
             return y4.to(x.dtype)
         if x.dtype != torch.bfloat16 and (self.kind == "int4" or x.shape[0] <= PACKED_MAX_ROWS):
             # the packed kernels' fast path is bf16 activations (with float32 ones int8
@@ -176,12 +179,13 @@ class PackedWeight:
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
         if self.blocks:
-            out, groups = self.out_features, self.in_features // INT4_GROUP
-            nib = self.data.view(out, groups, 16)
-            q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()  # [out, groups, 32]
-            d, m = self.scales.float()
+            rows, blocks = self.data.shape[0], self.in_features // INT4_GROUP
+            nib = self.data.view(rows // 16, blocks, 4, 16, 1, 4)
+            q = torch.cat([nib & 0x0F, nib >> 4], dim=4)  # [G, b, c, j, h, i]
+            q = q.permute(0, 3, 1, 2, 4, 5).reshape(rows, blocks, INT4_GROUP).float()
+            d, m = (s.permute(0, 2, 1).reshape(rows, blocks) for s in self.scales.float())
             w: Tensor = q * d[..., None] + m[..., None]
-            return w.view(out, self.in_features)
+            return w.view(rows, self.in_features)[: self.out_features]
         eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.data.device)
         return self.matmul(eye).float().t().contiguous()
 
@@ -239,10 +243,15 @@ class Q4Fields:
 def _pack_int4(q: Tensor, d: Tensor, m: Tensor) -> PackedWeight:
     """w = q * d + m: q [out, in] in [0, 15], d and m [out, in / 32]."""
     out, inp = q.shape
-    if int4_blocks():  # llama.cpp's block layout (see `PackedWeight`)
-        halves = q.view(out, inp // INT4_GROUP, 2, 16).to(torch.uint8)
-        data = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out, inp // 2)
-        return PackedWeight("int4", data, torch.stack([d, m]).half().contiguous(), out, inp)
+    if int4_blocks():  # Q4_1 blocks, 16 output rows interleaved (see `PackedWeight`)
+        rows, blocks = -(-out // 16) * 16, inp // INT4_GROUP
+        pad = rows - out
+        q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, m))
+        # q[16 g + j, 32 b + 8 c + 4 h + i] -> byte (g, b, c, j, i), nibble h
+        qv = q.to(torch.uint8).view(rows // 16, 16, blocks, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)
+        data = (qv[..., 0, :] | (qv[..., 1, :] << 4)).reshape(rows, inp // 2)
+        dm = torch.stack([t.view(rows // 16, 16, blocks).permute(0, 2, 1) for t in (d, m)])
+        return PackedWeight("int4", data.contiguous(), dm.half().contiguous(), out, inp)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
     zero = m + 8.0 * d  # torch's kernel: w = (q - 8) * scale + zero
     scales = torch.stack([d.t(), zero.t()], dim=-1).bfloat16().contiguous()  # [G, out, 2]

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -420,41 +421,38 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return at::_weight_int8pack_mm(x, w, scales);  // elsewhere: torch's kernel
 }
 
-// ---- int4 weights in llama.cpp's Q4_1 blocks times int8-quantized activations ----------
+// ---- int4 weights (Q4_1 blocks, 16 outputs interleaved) times int8-quantized activations --
 //
 // y[m, n] = sum over blocks b of 32 inputs:
 //     dx[m, b] * (d[n, b] * (qx[m, b, :] . q[n, b, :]) + mw[n, b] * sum(qx[m, b, :]))
 // with w = q * d + mw (q in [0, 15]) and x ~ qx * dx (qx = round(x / dx), dx = max |x| /
-// 127 over the block): llama.cpp's Q4_1 x Q8_1 dot product. The weight bytes are llama.cpp's
-// too: a row's blocks in order, 16 bytes each, byte j holding q[32b + j] in its low nibble
-// and q[32b + 16 + j] in its high one; d and mw float16 [N, K / 32] each. A 64-byte step
-// covers four blocks: the low nibbles against the four blocks' first halves of qx, the
-// high ones against their second halves, two vpdpbusd (nibbles unsigned, qx signed) whose
-// lanes 4i..4i+3 hold block i's sums, scaled in float32 by d * dx per lane. The mw terms
-// are one short dot product per output (mw . the blocks' dx * sum(qx)). Weight rows stream
-// once per 4 activation rows; a row's result does not depend on the other rows or on the
-// thread split, at any row count.
+// 127 over the block): llama.cpp's Q4_1 x Q8_1 dot product. The weights are laid out for
+// 16 outputs at a time: per group g of 16 output rows and block b, four 64-byte steps c,
+// lane j of a step (bytes 4j..4j+3) holding row 16g + j's inputs 32b + 8c + i in the low
+// nibbles of its bytes i and 32b + 8c + 4 + i in the high ones. So one vpdpbusd multiplies
+// four inputs of 16 rows by the same four activation bytes (broadcast), and a block's
+// sums for 16 outputs land in one register, scaled there by 16 d's and 16 mw's at once:
+// the float work per row is per block and 16 outputs, not per 128 weights and output.
+// d and mw are float16 [N / 16, K / 32, 16]. Each row's arithmetic is the same whatever
+// the other rows (lane-wise, in one order), so a row's result does not depend on the
+// other rows or on the thread split, at any row count.
 
 #ifdef TOKENFLEET_VNNI
 
-struct Q4Rows {  // the activations, quantized per block of 32, laid out per 4-block step
-  int64_t steps = 0, blocks = 0;
-  std::vector<int8_t> lo, hi;  // [M, steps, 64]: the blocks' first / second 16 values of qx
-  std::vector<float> dx;       // [M, steps, 16]: lane 4i..4i+3 -> block i's dx (0: padding)
-  std::vector<float> sx;       // [M, blocks padded to 16]: dx * sum(qx)
+struct Q4Rows {  // the activations, quantized per block of 32
+  std::vector<int8_t> qx;  // [M, K]
+  std::vector<float> dx;   // [M, K / 32]
+  std::vector<float> sx;   // [M, K / 32]: dx * sum(qx)
 };
 
 inline void quantize_q4_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q4Rows& q) {
-  q.blocks = K / 32;
-  q.steps = (q.blocks + 3) / 4;
-  const int64_t padded = (q.blocks + 15) / 16 * 16;
-  q.lo.assign(M * q.steps * 64, 0);
-  q.hi.assign(M * q.steps * 64, 0);
-  q.dx.assign(M * q.steps * 16, 0.0f);
-  q.sx.assign(M * padded, 0.0f);
+  const int64_t B = K / 32;
+  q.qx.resize(M * K);
+  q.dx.resize(M * B);
+  q.sx.resize(M * B);
   const auto* bits = reinterpret_cast<const uint16_t*>(x);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < q.blocks; ++b) {
+    for (int64_t b = 0; b < B; ++b) {
       const uint16_t* src = bits + m * K + b * 32;
       const __m512 f0 = widen16(src), f1 = widen16(src + 16);
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
@@ -462,64 +460,68 @@ inline void quantize_q4_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q4Row
       const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
       const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // nearest, ties to even
       const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
-      const int64_t step = b / 4, slot = b % 4;
-      int8_t* lo = q.lo.data() + (m * q.steps + step) * 64 + slot * 16;
-      int8_t* hi = q.hi.data() + (m * q.steps + step) * 64 + slot * 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtsepi32_epi8(q1));
-      float* dx = q.dx.data() + (m * q.steps + step) * 16 + slot * 4;
-      for (int i = 0; i < 4; ++i) dx[i] = d;
-      q.sx[m * padded + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
+      int8_t* dst = q.qx.data() + m * K + b * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
+      q.dx[m * B + b] = d;
+      q.sx[m * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
 }
 
+inline int32_t four_bytes(const int8_t* p) {  // 4 activation bytes as one broadcastable int
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 template <int MR>
-inline void q4_rows(const Q4Rows& q, int64_t m0, const uint8_t* w, const at::Half* d,
-                    const at::Half* mw, int64_t n0, int64_t n1, int64_t N, c10::BFloat16* out) {
-  const int64_t B = q.blocks, S = q.steps, padded = (B + 15) / 16 * 16;
+inline void q4_group(const Q4Rows& q, int64_t m0, const uint8_t* w, const at::Half* d,
+                     const at::Half* mw, int64_t g, int64_t K, int64_t N, c10::BFloat16* out) {
+  const int64_t B = K / 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wr = w + n * B * 16;
-    const uint16_t* dr = reinterpret_cast<const uint16_t*>(d) + n * B;
-    const uint16_t* mr = reinterpret_cast<const uint16_t*>(mw) + n * B;
-    __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < S; ++s) {
-      const int64_t nb = std::min<int64_t>(4, B - 4 * s);  // blocks in this step
-      const __mmask64 bytes = nb == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * nb)) - 1;
-      const __m512i wv = _mm512_maskz_loadu_epi8(bytes, wr + s * 64);
-      const __m512i lo = _mm512_and_si512(wv, nibble);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nibble);
-      const __m128i dh = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << nb) - 1), dr + 4 * s);
-      const __m512 dw = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_cvtph_ps(dh)));
+  const uint8_t* wg = w + g * B * 256;
+  const uint16_t* dg = reinterpret_cast<const uint16_t*>(d) + g * B * 16;
+  const uint16_t* mg = reinterpret_cast<const uint16_t*>(mw) + g * B * 16;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i isum[MR];
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + (b * 4 + c) * 64);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       for (int r = 0; r < MR; ++r) {
-        const int64_t at = (m0 + r) * S + s;
-        const __m512i xl = _mm512_loadu_si512(q.lo.data() + at * 64);
-        const __m512i xh = _mm512_loadu_si512(q.hi.data() + at * 64);
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl), hi, xh);
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(q.dx.data() + at * 16));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[r]);
+        const int8_t* xr = q.qx.data() + (m0 + r) * K + b * 32 + c * 8;
+        isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(four_bytes(xr)));
+        isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(four_bytes(xr + 4)));
       }
     }
-    for (int64_t b = 0; b < B; b += 16) {  // the mw terms, 16 blocks at a time
-      const __mmask16 live = B - b >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (B - b)) - 1);
-      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mr + b));
-      for (int r = 0; r < MR; ++r)
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(q.sx.data() + (m0 + r) * padded + b), acc[r]);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t at = (m0 + r) * B + b;
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(q.dx[at]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(q.sx[at]), acc[r]);
     }
-    for (int r = 0; r < MR; ++r)
-      out[(m0 + r) * N + n] = c10::BFloat16(_mm512_reduce_add_ps(acc[r]));  // nearest even
+  }
+  const int64_t live = std::min<int64_t>(16, N - g * 16);  // the last group may be short
+  const __mmask16 keep = live == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+  for (int r = 0; r < MR; ++r) {  // bf16, nearest even
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r]);
+    _mm256_mask_storeu_epi16(out + (m0 + r) * N + g * 16, keep, h);
   }
 }
 #endif
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && dm.dim() == 3 && dm.size(0) == 2,
-              "x [M, K], w [N, K / 2], dm [2, N, K / 32]");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(K % 32 == 0 && w.size(1) * 2 == K && dm.size(1) == N && dm.size(2) * 32 == K,
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && dm.dim() == 4 && dm.size(0) == 2 && dm.size(3) == 16,
+              "x [M, K], w [N rounded up to 16, K / 2], dm [2, N rounded up / 16, K / 32, 16]");
+  const int64_t M = x.size(0), K = x.size(1), G = dm.size(1);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) * 2 == K && w.size(0) == G * 16 && dm.size(2) * 32 == K &&
+                  N > (G - 1) * 16 && N <= G * 16,
               "q4_linear: shapes do not match");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
                   dm.scalar_type() == at::kHalf,
@@ -534,13 +536,15 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   quantize_q4_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const at::Half* dp = dc.data_ptr<at::Half>();
-  const at::Half* mp = dp + N * (K / 32);
+  const at::Half* mp = dp + G * (K / 32) * 16;
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) q4_rows<8>(q, m, wp, dp, mp, n0, n1, N, op);
-    for (; m + 4 <= M; m += 4) q4_rows<4>(q, m, wp, dp, mp, n0, n1, N, op);
-    for (; m < M; ++m) q4_rows<1>(q, m, wp, dp, mp, n0, n1, N, op);
+  at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = 0;
+      for (; m + 8 <= M; m += 8) q4_group<8>(q, m, wp, dp, mp, g, K, N, op);
+      for (; m + 4 <= M; m += 4) q4_group<4>(q, m, wp, dp, mp, g, K, N, op);
+      for (; m < M; ++m) q4_group<1>(q, m, wp, dp, mp, g, K, N, op);
+    }
   });
   return out;
 #else
@@ -561,7 +565,7 @@ bool int8_vnni() {
 
 TORCH_LIBRARY(tokenfleet, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("q4_linear(Tensor x, Tensor w, Tensor dm) -> Tensor");
+  m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
   m.def("int8_vnni() -> bool", &int8_vnni);
   m.def(
       "decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_new, Tensor? v_new, "

@@ -65,8 +65,8 @@ def load() -> bool:
         return x.new_empty((x.shape[0], w.shape[0]))
 
     @torch.library.register_fake("tokenfleet::q4_linear")  # type: ignore[untyped-decorator]
-    def _q4(x: Tensor, w: Tensor, dm: Tensor) -> Tensor:  # [M, N] bf16
-        return x.new_empty((x.shape[0], w.shape[0]))
+    def _q4(x: Tensor, w: Tensor, dm: Tensor, n: int) -> Tensor:  # [M, n] bf16
+        return x.new_empty((x.shape[0], n))
 
     return True
 
