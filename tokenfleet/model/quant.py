@@ -9,25 +9,27 @@ activations (their fast path: with float32 activations int8 is ~20x slower here,
     int8  `_weight_int8pack_mm`: w = q * scale[out], q in [-127, 127]; up to 16 rows on
           a CPU with AVX512-VNNI, tokenfleet's int8 x int8 kernel (`int8_vnni`)
     int4  w = q * d[out, g] + m[out, g] for each group g of 32 input columns, q in
-          [0, 15] (llama.cpp's Q4_1). On a CPU with AVX512-VNNI, kept in llama.cpp's own
-          block layout and run by tokenfleet's kernel (`q4_linear`: the activations
-          quantized per block of 32 as llama.cpp's Q8_1, the nibbles summed by vpdpbusd);
-          elsewhere torch's `_weight_int4pack_mm_for_cpu` (its private packed layout,
-          scale d and zero m + 8d in bf16)
+          [0, 15] (llama.cpp's Q4_1). On a CPU with AVX512-VNNI, d and m kept in
+          float16 (a GGUF file's values exactly), the nibbles laid out 16 output rows at
+          a time, run by tokenfleet's kernel (`q4_linear`: the activations quantized per
+          block of 32 as llama.cpp's Q8_1, one vpdpbusd multiplying four inputs of 16
+          rows by four broadcast activation bytes); elsewhere torch's
+          `_weight_int4pack_mm_for_cpu` (its private packed layout, scale d and zero
+          m + 8d in bf16)
 
 Measured here (SmolLM2-135M's 121 matrices in a row, 2 threads, bf16 13.8 ms):
 int8 5.1 ms and int4 3.2 ms at one row, 10.7 / 7.0 ms at 8 rows (bf16 15.4); at 256
 rows (a prefill chunk) they are 2.7x slower than bf16, see `PackedWeight.matmul`.
 The int4 x int8 kernel against torch's int4 one, in SmolLM2 decode ticks on the Xeon
-AMX (bench/tick_profile.py, 2026-12-04): 3.0 vs 3.6 ms of layer matmuls at one row,
-10.2 vs 12.1 at 8 rows; the quantized activations cost the decode path's perplexity
-+0.65 % of fp32 there (bench/default_quality.py; llama.cpp's Q4_1 pays the same way).
+AMX (bench/tick_profile.py, 2026-12-04): 2.25 vs 3.61 ms of layer matmuls at one row,
+5.07 vs 12.05 at 8 rows; the decode path's perplexity +0.11 % of fp32 there
+(bench/default_quality.py).
 
 Quantized from the dense weights at load, except where a GGUF file's matrices are
 already llama.cpp Q4_0 / Q4_1 blocks (32 values, one scale, one offset: int4's
 layout): `--quant int4` takes those as they are (`gguf.q4_fields`, `Q4Fields`),
-exact up to the bf16 rounding of the scales, instead of quantizing the dequantized
-values a second time.
+exactly on tokenfleet's kernel (up to the bf16 rounding of the scales in torch's layout),
+instead of quantizing the dequantized values a second time.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def set_int8_vnni(on: bool | None) -> None:
 
 
 def int4_blocks() -> bool:
-    """Whether int4 weights are packed from now on in llama.cpp's Q4_1 block layout for
-    `tokenfleet::q4_linear` (AVX512-VNNI, see `int8_vnni`), else in torch's layout for
+    """Whether int4 weights are packed from now on in Q4_1 blocks laid out 16 rows at a
+    time for `tokenfleet::q4_linear` (AVX512-VNNI, see `int8_vnni`), else in torch's layout for
     `_weight_int4pack_mm_for_cpu`. Decided at packing: a weight keeps its layout. Off
     with `TOKENFLEET_INT4_VNNI=0`."""
     global _q4_blocks
@@ -110,8 +112,8 @@ class QuantError(ValueError):
 class PackedWeight:
     """One linear layer's weight in a quantized format (see the module docstring).
     int4 comes in two layouts, told apart by the scales' dtype (so compiled graphs,
-    which see the tensors, specialise on it): llama.cpp's blocks (float16 scales) or
-    torch's packed layout (bf16)."""
+    which see the tensors, specialise on it): Q4_1 blocks for tokenfleet's kernel (float16
+    scales) or torch's packed layout (bf16)."""
 
     kind: QuantKind
     # int8 [out, in]; int4 blocks: uint8 [out rounded up to 16, in / 2], for each group g
@@ -131,7 +133,7 @@ class PackedWeight:
 
     @property
     def blocks(self) -> bool:
-        """int4 in llama.cpp's block layout, for `tokenfleet::q4_linear`."""
+        """int4 in Q4_1 blocks laid out for `tokenfleet::q4_linear`."""
         return self.kind == "int4" and self.scales.dtype == torch.float16
 
     def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
