@@ -8,8 +8,9 @@
 #
 # The patch: gcc 12 drops the stores that fill the AMX tile config before
 # `_tile_loadconfig(&tc)` in ggml-cpu/amx/mmq.cpp, so on a CPU with AMX llama.cpp's
-# repacked weights crash (SIGILL, or a segfault in the first decode through the Python
-# bindings: llama.cpp#20824). A compiler barrier before each load keeps the stores (the
+# repacked weights crash (SIGILL in llama-server; the segfault in the first decode seen
+# through the Python bindings, llama.cpp#20824, is taken to be the same: with the patch
+# it is gone). A compiler barrier before each load keeps the stores (the
 # cause upstream PR #26954 fixes). The patched package is versioned `0.3.36+tokenfleet.amx`
 # (a local label: `llama-cpp-python==0.3.36` still matches it), which is how the runner
 # knows it may keep llama.cpp's AMX weight repacking on.

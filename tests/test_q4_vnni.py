@@ -9,6 +9,8 @@ runs)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def blocks_layout() -> object:
+def blocks_layout() -> Iterator[None]:
     quant.set_int4_blocks(True)
     yield
     quant.set_int4_blocks(None)

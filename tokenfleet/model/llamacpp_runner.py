@@ -50,8 +50,10 @@ buffers, the KV cells and the compute and output buffers; the fixed ones count a
 node's weight bytes, so admission stays exact.
 
 AMX. On a CPU with AMX, llama.cpp repacks weights into an AMX buffer ("extra buffer
-types"). Built by gcc 12 from the released source, that path crashes in the first decode
-(llama.cpp#20824): gcc drops the stores that fill the AMX tile config. `make llamacpp`
+types"). Built by gcc 12 from the released source, that path crashed in the first decode
+(llama.cpp#20824), taken to be the miscompile that makes llama-server SIGILL (gcc drops
+the stores that fill the AMX tile config; with the fix the runner's tests pass with
+repacking on, the unpatched crash not reproduced since). `make llamacpp`
 builds llama-cpp-python with a compiler barrier there (scripts/llama_cpp_python.sh) and
 labels its version `+tokenfleet.amx`; with that build the runner keeps the repacking on
 (llama.cpp's AMX kernels, as llama-server built the same way uses them). With any other
