@@ -107,10 +107,10 @@ def main() -> None:
     if args.int8:
         from tokenfleet.model import quant
 
-        int8 = load_model(PRESET, dtype="bfloat16", device="cpu", quant="int8")
         results["int8_vnni_kernel"] = quant.int8_vnni()
         for name, on in (("int8_decode_vnni", True), ("int8_decode_torch", False)):
-            quant.set_int8_vnni(on)
+            quant.set_int8_vnni(on)  # the layout, and so the kernel, is chosen at load
+            int8 = load_model(PRESET, dtype="bfloat16", device="cpu", quant="int8")
             results[name] = decode_perplexity(int8, tokens, bos)
             print(f"{name}: {results[name]['ppl']:.4f}", flush=True)
             compared.append((name, "fp32_decode"))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.kernels import assert_rows_independent
 from tokenfleet.model import quant
 from tokenfleet.model.quant import PACKED_MAX_ROWS, from_q4_blocks, quantize_int4
 
@@ -75,7 +76,7 @@ class Case:
 def test_the_kernel_computes_the_q4_1_times_q8_1_dot_product(rows: int, out: int, inp: int) -> None:
     c = Case(rows, out, inp)
     w = c.w
-    assert w.blocks and w.data.dtype == torch.uint8 and w.scales.dtype == torch.float16
+    assert w.rows16 and w.data.dtype == torch.uint8 and w.scales.dtype == torch.float16
     # the weight holds q * d + m exactly (float16 d and m, 4-bit q), whatever the layout
     want_w = (c.q.view(out, -1, 32) * c.d[..., None] + c.m[..., None]).view(out, inp)
     assert torch.equal(w.dequantize(), want_w)
@@ -96,11 +97,7 @@ def test_the_kernel_computes_the_q4_1_times_q8_1_dot_product(rows: int, out: int
 
 def test_a_row_gets_the_same_bits_alone_or_among_others_at_any_row_count() -> None:
     c = Case(37, 968, 576, seed=3)  # 968: a last group of 8 rows
-    together = c.kernel()
-    for i in range(37):
-        assert torch.equal(c.kernel(c.x[i : i + 1])[0], together[i]), i
-    for m in (4, 5, 8, 9, 17, 33):  # blocks of 8 and 4 rows and the rest
-        assert torch.equal(c.kernel(c.x[:m]), together[:m])
+    assert_rows_independent(c.kernel, c.x)
 
 
 def test_bad_shapes_and_types_are_named() -> None:
@@ -136,7 +133,7 @@ def test_the_layout_follows_the_switch_and_both_hold_the_same_weights() -> None:
     blocks = quantize_int4(w)
     quant.set_int4_blocks(False)
     torchs = quantize_int4(w)
-    assert blocks.blocks and not torchs.blocks
+    assert blocks.rows16 and not torchs.rows16
     assert torchs.scales.dtype == torch.bfloat16 and blocks.nbytes == torchs.nbytes
     # the same q, d and m: torch's layout rounds d and m + 8 d to bf16, the blocks keep
     # them in float16
@@ -161,7 +158,7 @@ def test_a_gguf_files_q4_1_blocks_are_kept_exactly() -> None:
     qs = torch.from_numpy(raw[..., 4:].astype(np.int32))  # [16, 3, 16]
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(16, 96)
     p = from_q4_blocks(d, m, q)
-    assert p.blocks
+    assert p.rows16
     # llama.cpp's own values: its 4-bit q, its float16 d and m, the bytes as many
     assert p.nbytes == blocks.nbytes
     assert torch.equal(p.dequantize(), ref)

@@ -35,7 +35,8 @@ def test_int8_holds_each_row_to_half_a_step() -> None:
     assert p.data.dtype == torch.int8 and p.scales.shape == (64,)
     step = p.scales.float()[:, None]
     assert bool(((p.dequantize() - w).abs() <= step * 0.5 + 1e-6).all())
-    assert p.nbytes == 64 * 96 + 64 * 2
+    # torch's layout keeps bf16 scales, tokenfleet's kernel float32 ones (rows16)
+    assert p.nbytes == 64 * 96 + 64 * (4 if p.rows16 else 2)
 
 
 def test_int4_holds_each_group_to_half_a_step() -> None:
@@ -144,36 +145,67 @@ def test_auto_dtype_follows_the_cpu() -> None:
 # ---- the trained model: agreement with fp32, token by token -----------------------
 
 
+# Three chat questions, fp32's greedy answer of 96 tokens to each, teacher-forced. One
+# answer of 48 tokens (this test's first form) was too small a sample: on 2026-12-04 two
+# int8 kernels that differ only in their float32 summation order read 43 and 45 of 48 on
+# the Xeon AMX, while both read 0.90 on the third question here (EPYC Zen 4); over the
+# 288 tokens they read 0.93 and 0.94, and the mean KL divergence says more than top-1.
+QUESTIONS = (
+    "What is the capital of France, and why is it famous?",
+    "Explain how a bicycle works.",
+    "Write a short poem about the sea.",
+)
+ANSWER_TOKENS = 96
+
+
 @pytest.fixture(scope="module")
-def fp32_answer() -> tuple[list[int], torch.Tensor, int]:
-    """SmolLM2 fp32's greedy answer to a chat question, and its top-1 at every position."""
+def fp32_answers() -> list[tuple[list[int], torch.Tensor, int]]:
+    """For each question: prompt + SmolLM2 fp32's greedy answer, fp32's log-probabilities
+    at every position, and the prompt's length."""
     assert SMOLLM2 is not None
     ref = load_model(str(SMOLLM2), dtype="float32", device="cpu")
     tok = ref.tokenizer
     assert tok is not None
-    prompt = tok.encode(
-        "<|im_start|>user\nWhat is the capital of France, and why is it famous?<|im_end|>\n"
-        "<|im_start|>assistant\n"
-    )
-    text = prompt + _greedy(ref, prompt, 48)
-    return text, _all_logits(ref, text).argmax(-1), len(prompt)
+    out = []
+    for question in QUESTIONS:
+        prompt = tok.encode(f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+        text = prompt + _greedy(ref, prompt, ANSWER_TOKENS)
+        out.append((text, _all_logits(ref, text).log_softmax(-1), len(prompt)))
+    return out
 
 
 @needs_smollm2
-@pytest.mark.parametrize(("variant", "min_agree"), [("bf16", 0.9), ("int8", 0.9), ("int4", 0.8)])
+@pytest.mark.parametrize(
+    ("variant", "min_agree", "max_kl"),
+    # measured 2026-12-04 on an EPYC Zen 4 (agreement, mean KL per answer): bf16 0.975,
+    # 0.0009-0.0010; int8 0.93, 0.0055-0.0080 (the int8 kernel before, 0.94,
+    # 0.0063-0.0091); int4 (the file's Q4_1 blocks) 0.93, 0.0046-0.0051
+    [("bf16", 0.9, 0.004), ("int8", 0.9, 0.02), ("int4", 0.8, 0.02)],
+)
 def test_smollm2_variants_agree_with_fp32_token_by_token(
-    fp32_answer: tuple[list[int], torch.Tensor, int], variant: str, min_agree: float
+    fp32_answers: list[tuple[list[int], torch.Tensor, int]],
+    variant: str,
+    min_agree: float,
+    max_kl: float,
 ) -> None:
-    """Teacher-forced on fp32's own greedy answer: how often each variant's top-1 is
-    fp32's next token (a 135M model's margins are thin, so bf16 itself is not 1.0)."""
+    """Teacher-forced on fp32's own greedy answers: how often each variant's top-1 is
+    fp32's next token (a 135M model's margins are thin, so bf16 itself is not 1.0), and
+    how far its next-token distribution is from fp32's (KL(fp32 || variant), the mean
+    per token of each answer)."""
     assert SMOLLM2 is not None
-    text, ref_top, n_prompt = fp32_answer
     quant = None if variant == "bf16" else variant
     other = load_model(str(SMOLLM2), dtype="bfloat16", device="cpu", quant=quant)
-    other_top = _all_logits(other, text).argmax(-1)
-    span = slice(n_prompt - 1, len(text) - 1)
-    agree = float((ref_top[span] == other_top[span]).float().mean())
-    assert agree >= min_agree, f"{variant}: {agree:.2f} of the answer's tokens agree with fp32"
+    agreed, total, kls = 0, 0, []
+    for text, ref_logp, n_prompt in fp32_answers:
+        span = slice(n_prompt - 1, len(text) - 1)
+        logp = _all_logits(other, text).float().log_softmax(-1)[span]
+        ref = ref_logp[span]
+        agreed += int((ref.argmax(-1) == logp.argmax(-1)).sum())
+        total += ref.shape[0]
+        kls.append(float((ref.exp() * (ref - logp)).sum(-1).mean()))
+    agree = agreed / total
+    assert agree >= min_agree, f"{variant}: {agree:.3f} of the answers' tokens agree with fp32"
+    assert max(kls) <= max_kl, f"{variant}: mean KL from fp32, per answer: {kls}"
 
 
 def _greedy(loaded: LoadedModel, prompt: list[int], n: int) -> list[int]:

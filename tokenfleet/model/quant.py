@@ -6,8 +6,9 @@ bytes halves the step. Both formats run on torch's own CPU kernels, with bf16
 activations (their fast path: with float32 activations int8 is ~20x slower here,
 642 vs 30 us for SmolLM2's gate/up matrix at one row):
 
-    int8  `_weight_int8pack_mm`: w = q * scale[out], q in [-127, 127]; up to 16 rows on
-          a CPU with AVX512-VNNI, tokenfleet's int8 x int8 kernel (`int8_vnni`)
+    int8  w = q * scale[out], q in [-127, 127]. On a CPU with AVX512-VNNI, laid out 16
+          output rows at a time for tokenfleet's int8 x int8 kernel (`int8_vnni`);
+          elsewhere torch's `_weight_int8pack_mm`
     int4  w = q * d[out, g] + m[out, g] for each group g of 32 input columns, q in
           [0, 15] (llama.cpp's Q4_1). On a CPU with AVX512-VNNI, d and m kept in
           float16 (a GGUF file's values exactly), the nibbles laid out 16 output rows at
@@ -56,17 +57,17 @@ _vnni: bool | None = None
 _q4_blocks: bool | None = None
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]  # traced: a constant
 def int8_vnni() -> bool:
-    """Whether int8 calls of up to VNNI_MAX_ROWS rows run `tokenfleet::int8_linear`
-    (attention/paged_cpu.cpp): int8 weights times the activations quantized to int8
-    per block of 32, summed by vpdpbusd, where torch's `_weight_int8pack_mm` widens
-    every weight to bf16 (SmolLM2's layers at one row on an EPYC Zen 4: see
-    docs/benchmarks.md). On wherever the kernel builds with AVX512-VNNI, unless
-    `TOKENFLEET_INT8_VNNI=0`. In deterministic mode (`one_kernel`) it serves every row
-    count: a row's result depends on no other row (each row quantized on its own), and
-    torch's kernel, which it once fell back to there, cost 0.66x of the mixed workload's
-    tok/s on the Xeon AMX (bench/deterministic.py)."""
+    """Whether int8 weights are packed from now on (16 output rows at a time) for
+    `tokenfleet::int8_linear` (attention/paged_cpu.cpp): int8 weights times the
+    activations quantized to int8 per block of 32, summed by vpdpbusd, where torch's
+    `_weight_int8pack_mm` widens every weight to bf16. On wherever the kernel builds
+    with AVX512-VNNI, unless `TOKENFLEET_INT8_VNNI=0`; decided at packing, a weight keeps
+    its layout. Calls of up to VNNI_MAX_ROWS rows run it; in deterministic mode
+    (`one_kernel`) every row count does: a row's result depends on no other row (each
+    row quantized on its own), and torch's kernel, which deterministic mode once fell
+    back to, cost 0.66x of the mixed workload's tok/s on the Xeon AMX
+    (bench/deterministic.py)."""
     global _vnni
     if _vnni is None:
         _vnni = os.environ.get("TOKENFLEET_INT8_VNNI", "1") != "0" and _vnni_possible()
@@ -74,8 +75,8 @@ def int8_vnni() -> bool:
 
 
 def set_int8_vnni(on: bool | None) -> None:
-    """Force the int8 kernel choice (benchmarks, tests); None: decide again as at start.
-    A model compiled before keeps the choice it was traced with."""
+    """Force the int8 layout for weights packed from now on (benchmarks, tests); None:
+    decide again as at start."""
     global _vnni
     _vnni = None if on is None else (on and _vnni_possible())
 
@@ -111,30 +112,37 @@ class QuantError(ValueError):
 @dataclass(frozen=True)
 class PackedWeight:
     """One linear layer's weight in a quantized format (see the module docstring).
-    int4 comes in two layouts, told apart by the scales' dtype (so compiled graphs,
-    which see the tensors, specialise on it): Q4_1 blocks for tokenfleet's kernel (float16
-    scales) or torch's packed layout (bf16)."""
+    Each kind comes in two layouts, told apart by the scales' dtype (so compiled graphs,
+    which see the tensors, specialise on it): 16 output rows at a time for tokenfleet's
+    kernels (`rows16`: int8 with float32 scales, int4 with float16 ones) or torch's
+    (bf16 scales)."""
 
     kind: QuantKind
-    # int8 [out, in]; int4 blocks: uint8 [out rounded up to 16, in / 2], for each group g
-    # of 16 rows, block b of 32 inputs and step c of 8 inputs, 64 bytes: row 16 g + j's
-    # inputs 32 b + 8 c + i (i < 4) in the low nibbles of bytes 4 j + i and 32 b + 8 c + 4
-    # + i in their high ones; or int4 in torch's layout
+    # int8: [out, in], or rows16 [out rounded up to 16, in]: for each group g of 16 rows
+    # and step s of 4 inputs, 64 bytes, lane j holding row 16 g + j's inputs 4 s..4 s + 3.
+    # int4 rows16: uint8 [out rounded up to 16, in / 2], for each group g of 16 rows,
+    # block b of 32 inputs and step c of 8 inputs, 64 bytes: row 16 g + j's inputs 32 b +
+    # 8 c + i (i < 4) in the low nibbles of bytes 4 j + i and 32 b + 8 c + 4 + i in their
+    # high ones; or int4 in torch's packed layout
     data: Tensor
-    # int8: bf16 [out]; int4 blocks: float16 [2, out rounded up / 16, in / 32, 16] (d, m);
-    # torch's int4: bf16 [in / 32, out, 2] (d, m + 8 d)
+    # int8: bf16 [out], rows16 float32 [out rounded up to 16]; int4 rows16: float16 [2,
+    # out rounded up / 16, in / 32, 16] (d, m); torch's int4: bf16 [in / 32, out, 2]
+    # (d, m + 8 d)
     scales: Tensor
     out_features: int
     in_features: int
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * 2
+        data = self.data.numel() * self.data.element_size()
+        return data + self.scales.numel() * self.scales.element_size()
 
     @property
-    def blocks(self) -> bool:
-        """int4 in Q4_1 blocks laid out for `tokenfleet::q4_linear`."""
-        return self.kind == "int4" and self.scales.dtype == torch.float16
+    def rows16(self) -> bool:
+        """Laid out 16 output rows at a time for tokenfleet's kernels (`int8_linear`,
+        `q4_linear`)."""
+        wanted = torch.float32 if self.kind == "int8" else torch.float16
+        return self.scales.dtype == wanted
 
     def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
         """x [T, in] bf16 (or float32, rounded to bf16 for the packed kernels) -> x @ w.T
@@ -149,15 +157,20 @@ class PackedWeight:
         `one_kernel` (deterministic mode): the packed kernel at every row count, since
         the two kernels round differently, so a row's result would depend on how many
         rows share its call."""
-        if self.blocks:
+        if self.rows16:
             if x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
                 return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+            op = (
+                torch.ops.tokenfleet.int8_linear
+                if self.kind == "int8"
+                else torch.ops.tokenfleet.q4_linear
+            )
             n = self.out_features
             if x.dtype == torch.bfloat16:  # (the eager path: no no-op casts)
-                y4: Tensor = torch.ops.tokenfleet.q4_linear(x, self.data, self.scales, n)
-                return y4
-            y4 = torch.ops.tokenfleet.q4_linear(x.bfloat16(), self.data, self.scales, n)
-            return y4.to(x.dtype)
+                y16: Tensor = op(x, self.data, self.scales, n)
+                return y16
+            y16 = op(x.bfloat16(), self.data, self.scales, n)
+            return y16.to(x.dtype)
         if x.dtype != torch.bfloat16 and (self.kind == "int4" or x.shape[0] <= PACKED_MAX_ROWS):
             # the packed kernels' fast path is bf16 activations (with float32 ones int8
             # was 9.6x slower on an AVX2 EPYC Zen 3, ~20x on AVX-512: module docstring):
@@ -166,8 +179,6 @@ class PackedWeight:
         if self.kind == "int8" and x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
             dense = self.data.to(x.dtype) * self.scales[:, None]
             y: Tensor = torch.nn.functional.linear(x, dense)
-        elif self.kind == "int8" and (one_kernel or x.shape[0] <= VNNI_MAX_ROWS) and int8_vnni():
-            y = torch.ops.tokenfleet.int8_linear(x, self.data, self.scales)
         elif self.kind == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.data, self.scales)
         else:
@@ -178,9 +189,14 @@ class PackedWeight:
         """The float32 weight [out, in] these bytes stand for: exact for int8 and for int4
         in blocks; int4 in torch's layout is read back through its kernel (torch keeps
         that layout private), so each value is rounded to bf16."""
+        if self.kind == "int8" and self.rows16:
+            rows, inp = self.data.shape
+            q = self.data.view(rows // 16, inp // 4, 16, 4).permute(0, 2, 1, 3).reshape(rows, inp)
+            w8: Tensor = q.float() * self.scales[:, None]
+            return w8[: self.out_features]
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
-        if self.blocks:
+        if self.rows16:
             rows, blocks = self.data.shape[0], self.in_features // INT4_GROUP
             nib = self.data.view(rows // 16, blocks, 4, 16, 1, 4)
             q = torch.cat([nib & 0x0F, nib >> 4], dim=4)  # [G, b, c, j, h, i]
@@ -198,7 +214,14 @@ def quantize_int8(w: Tensor) -> PackedWeight:
     scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     scale = scale.bfloat16().float()  # quantize against the scale the kernel will use
     q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return PackedWeight("int8", q.contiguous(), scale.bfloat16(), w.shape[0], w.shape[1])
+    out, inp = w.shape
+    if int8_vnni() and inp % 32 == 0:  # 16 rows at a time (see `PackedWeight`)
+        rows = -(-out // 16) * 16
+        q = torch.nn.functional.pad(q, (0, 0, 0, rows - out))
+        scale = torch.nn.functional.pad(scale, (0, rows - out))
+        data = q.view(rows // 16, 16, inp // 4, 4).permute(0, 2, 1, 3).reshape(rows, inp)
+        return PackedWeight("int8", data.contiguous(), scale.contiguous(), out, inp)
+    return PackedWeight("int8", q.contiguous(), scale.bfloat16(), out, inp)
 
 
 def quantize_int4(w: Tensor) -> PackedWeight:
@@ -245,7 +268,7 @@ class Q4Fields:
 def _pack_int4(q: Tensor, d: Tensor, m: Tensor) -> PackedWeight:
     """w = q * d + m: q [out, in] in [0, 15], d and m [out, in / 32]."""
     out, inp = q.shape
-    if int4_blocks():  # Q4_1 blocks, 16 output rows interleaved (see `PackedWeight`)
+    if int4_blocks():  # Q4_1 blocks, 16 output rows at a time (see `PackedWeight`)
         rows, blocks = -(-out // 16) * 16, inp // INT4_GROUP
         pad = rows - out
         q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d, m))

@@ -314,111 +314,136 @@ at::Tensor decode_attention(
   return out;
 }
 
-// ---- int8 weights times int8-quantized activations (AVX512-VNNI) ----------------------
+// ---- int8 weights (16 outputs interleaved) times int8-quantized activations -----------
 //
-// y[m, n] = scale[n] * sum over blocks b of 32 inputs: d[m, b] * (qx[m, b, :] . w[n, b, :])
-// where qx = round(x / d), d = max |x| / 127 over the block: llama.cpp's Q8_0 x Q8_0 dot
-// product, with the weight's one scale per output row. Each 64-byte step is one vpdpbusd
-// (|qx| as unsigned bytes, the weight's sign flipped where qx is negative), its two
-// blocks' int32 sums widened and scaled by their d. The weight rows stream once per call
-// whatever the row count (every row's accumulator in a register). Rows' results do not
-// depend on each other or on the thread split.
+// y[m, n] = scale[n] * sum over blocks b of 32 inputs: dx[m, b] * (qx[m, b, :] . w[n, b, :])
+// where qx = round(x / dx), dx = max |x| / 127 over the block: llama.cpp's Q8_0 x Q8_0 dot
+// product, with the weight's one scale per output row. The weights are laid out for 16
+// outputs at a time (as q4_linear's below): per group g of 16 rows and step s of 4 inputs,
+// 64 bytes, lane j holding row 16g + j's inputs 4s..4s+3. vpdpbusd takes one unsigned
+// operand: the activations go in as qx + 128 (four bytes broadcast to every lane), and
+// 128 times the weights' block sum, one more vpdpbusd per step shared by all rows, is taken
+// off. A block's sums for 16 outputs land in one register, scaled there by the row's dx.
+// A row's arithmetic is lane-wise and in one order whatever the other rows, so its result
+// does not depend on them or on the thread split, at any row count.
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(TOKENFLEET_BF16_DOT)
 #define TOKENFLEET_VNNI 1
 
-struct QuantRows {  // the activations, quantized per block of 32
-  std::vector<uint8_t> mag;        // |qx| [M, K]
-  std::vector<__mmask64> neg;      // qx < 0, per 64 inputs [M, K / 64]
-  std::vector<float> d;            // per 64 inputs: the two blocks' d, 8 lanes each [M, K/64, 16]
+struct Q8Rows {  // the activations, quantized per block of 32
+  std::vector<uint8_t> ux;  // qx + 128 [M, K]
+  std::vector<float> dx;    // [M, K / 32]
 };
 
-inline void quantize_rows(const c10::BFloat16* x, int64_t M, int64_t K, QuantRows& q) {
-  const int64_t C = K / 64;
-  q.mag.resize(M * K);
-  q.neg.resize(M * C);
-  q.d.resize(M * C * 16);
+// One block of 32 bf16 activations as llama.cpp's Q8_0 / Q8_1 quantize it: qx = round(x
+// / d) (nearest, ties to even), d = max |x| / 127, so qx lies in [-127, 127]. Returns d;
+// the 32 qx come back as int32 in q0 and q1. Both kernels below quantize this way.
+inline float quantize_block32(const uint16_t* src, __m512i& q0, __m512i& q1) {
+  const __m512 f0 = widen16(src), f1 = widen16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+  const float d = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+  q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), hi), lo);
+  q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f1, inv)), hi), lo);
+  return d;
+}
+
+inline void quantize_q8_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q8Rows& q) {
+  const int64_t B = K / 32;
+  q.ux.resize(M * K);
+  q.dx.resize(M * B);
   const auto* bits = reinterpret_cast<const uint16_t*>(x);
+  const __m512i offset = _mm512_set1_epi32(128);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t c = 0; c < C; ++c) {
-      const uint16_t* src = bits + m * K + c * 64;
-      __m512 f[4];
-      for (int i = 0; i < 4; ++i) f[i] = widen16(src + 16 * i);
-      float dv[2];
-      __m512i qi[4];
-      for (int blk = 0; blk < 2; ++blk) {
-        const __m512 a = _mm512_max_ps(_mm512_abs_ps(f[2 * blk]), _mm512_abs_ps(f[2 * blk + 1]));
-        const float amax = _mm512_reduce_max_ps(a);
-        const float d = amax / 127.0f;
-        dv[blk] = d;
-        const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-        for (int i = 2 * blk; i < 2 * blk + 2; ++i)
-          qi[i] = _mm512_cvtps_epi32(_mm512_mul_ps(f[i], inv));  // nearest, ties to even
-      }
-      __m512i packed = _mm512_castsi128_si512(_mm512_cvtsepi32_epi8(qi[0]));
-      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[1]), 1);
-      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[2]), 2);
-      packed = _mm512_inserti32x4(packed, _mm512_cvtsepi32_epi8(qi[3]), 3);
-      q.neg[m * C + c] = _mm512_movepi8_mask(packed);
-      _mm512_storeu_si512(q.mag.data() + m * K + c * 64, _mm512_abs_epi8(packed));
-      float* dd = q.d.data() + (m * C + c) * 16;
-      for (int i = 0; i < 8; ++i) dd[i] = dv[0];
-      for (int i = 8; i < 16; ++i) dd[i] = dv[1];
+    for (int64_t b = 0; b < B; ++b) {
+      __m512i q0, q1;
+      q.dx[m * B + b] = quantize_block32(bits + m * K + b * 32, q0, q1);
+      q0 = _mm512_add_epi32(q0, offset);  // qx + 128, as unsigned bytes
+      q1 = _mm512_add_epi32(q1, offset);
+      uint8_t* dst = q.ux.data() + m * K + b * 32;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
     }
   }
+}
+
+inline int32_t four_bytes(const void* p) {  // 4 activation bytes as one broadcastable int
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
 template <int MR>
-inline void vnni_rows(const QuantRows& q, int64_t m0, const int8_t* w,
-                      const c10::BFloat16* wscale, int64_t n0, int64_t n1, int64_t K, int64_t N,
-                      c10::BFloat16* out) {
-  const int64_t C = K / 64;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wr = w + n * K;
-    __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; ++c) {
-      const __m512i wv = _mm512_loadu_si512(wr + c * 64);
+inline void q8_group(const Q8Rows& q, int64_t m0, const int8_t* w, const float* ws, int64_t g,
+                     int64_t K, int64_t N, c10::BFloat16* out) {
+  const int64_t B = K / 32;
+  const int8_t* wg = w + g * 16 * K;
+  const __m512i half = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i isum[MR];
+    __m512i corr = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(wg + (b * 8 + c) * 64);
+      corr = _mm512_dpbusd_epi32(corr, half, v);
       for (int r = 0; r < MR; ++r) {
-        const int64_t m = m0 + r;
-        const __m512i sw = _mm512_mask_sub_epi8(wv, q.neg[m * C + c], _mm512_setzero_si512(), wv);
-        const __m512i mag = _mm512_loadu_si512(q.mag.data() + m * K + c * 64);
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), mag, sw);
-        const __m512 dv = _mm512_loadu_ps(q.d.data() + (m * C + c) * 16);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dv, acc[r]);
+        const uint8_t* xr = q.ux.data() + (m0 + r) * K + b * 32 + c * 4;
+        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(four_bytes(xr)), v);
       }
     }
-    const float ws = static_cast<float>(wscale[n]);
-    for (int r = 0; r < MR; ++r)
-      out[(m0 + r) * N + n] = c10::BFloat16(_mm512_reduce_add_ps(acc[r]) * ws);  // nearest even
+    for (int r = 0; r < MR; ++r) {
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r], corr));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_set1_ps(q.dx[(m0 + r) * B + b]), acc[r]);
+    }
+  }
+  const __m512 scale = _mm512_loadu_ps(ws + g * 16);
+  const int64_t live = std::min<int64_t>(16, N - g * 16);  // the last group may be short
+  const __mmask16 keep = live == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+  for (int r = 0; r < MR; ++r) {  // bf16, nearest even
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r], scale));
+    _mm256_mask_storeu_epi16(out + (m0 + r) * N + g * 16, keep, h);
   }
 }
 #endif
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K], w [N, K]");
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 1,
+              "x [M, K], w [N rounded up to 16, K], scales [N rounded up to 16]");
+  const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K && R % 16 == 0 && scales.size(0) == R &&
+                  N > R - 16 && N <= R,
+              "int8_linear: shapes do not match");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
+                  scales.scalar_type() == at::kFloat,
+              "int8_linear: x bf16, w int8, scales float32");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
 #ifdef TOKENFLEET_VNNI
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
-      scales.scalar_type() == at::kBFloat16 && K % 64 == 0 && M > 0) {
-    auto xc = x.contiguous();
-    auto wc = w.contiguous();
-    auto sc = scales.contiguous();
-    QuantRows q;
-    quantize_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
-    auto out = at::empty({M, N}, x.options());
-    const int8_t* wp = wc.data_ptr<int8_t>();
-    const c10::BFloat16* sp = sc.data_ptr<c10::BFloat16>();
-    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto sc = scales.contiguous();
+  Q8Rows q;
+  quantize_q8_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, R / 16, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) vnni_rows<4>(q, m, wp, sp, n0, n1, K, N, op);
-      for (; m < M; ++m) vnni_rows<1>(q, m, wp, sp, n0, n1, K, N, op);
-    });
-    return out;
-  }
+      for (; m + 8 <= M; m += 8) q8_group<8>(q, m, wp, sp, g, K, N, op);
+      for (; m + 4 <= M; m += 4) q8_group<4>(q, m, wp, sp, g, K, N, op);
+      for (; m < M; ++m) q8_group<1>(q, m, wp, sp, g, K, N, op);
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (tokenfleet::int8_vnni() is false here)");
+  return out;
 #endif
-  return at::_weight_int8pack_mm(x, w, scales);  // elsewhere: torch's kernel
 }
 
 // ---- int4 weights (Q4_1 blocks, 16 outputs interleaved) times int8-quantized activations --
@@ -453,26 +478,15 @@ inline void quantize_q4_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q4Row
   const auto* bits = reinterpret_cast<const uint16_t*>(x);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < B; ++b) {
-      const uint16_t* src = bits + m * K + b * 32;
-      const __m512 f0 = widen16(src), f1 = widen16(src + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
-      const float d = amax / 127.0f;
-      const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(f0, inv));  // nearest, ties to even
-      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(f1, inv));
+      __m512i q0, q1;
+      const float d = quantize_block32(bits + m * K + b * 32, q0, q1);
       int8_t* dst = q.qx.data() + m * K + b * 32;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
       q.dx[m * B + b] = d;
       q.sx[m * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
     }
   }
-}
-
-inline int32_t four_bytes(const int8_t* p) {  // 4 activation bytes as one broadcastable int
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
 }
 
 template <int MR>
@@ -564,7 +578,7 @@ bool int8_vnni() {
 }  // namespace
 
 TORCH_LIBRARY(tokenfleet, m) {
-  m.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
   m.def("int8_vnni() -> bool", &int8_vnni);
   m.def(

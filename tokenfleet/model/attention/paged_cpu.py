@@ -61,8 +61,8 @@ def load() -> bool:
         return torch.empty_like(q, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("tokenfleet::int8_linear")  # type: ignore[untyped-decorator]
-    def _int8(x: Tensor, w: Tensor, scales: Tensor) -> Tensor:  # [M, N] bf16
-        return x.new_empty((x.shape[0], w.shape[0]))
+    def _int8(x: Tensor, w: Tensor, scales: Tensor, n: int) -> Tensor:  # [M, n] bf16
+        return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake("tokenfleet::q4_linear")  # type: ignore[untyped-decorator]
     def _q4(x: Tensor, w: Tensor, dm: Tensor, n: int) -> Tensor:  # [M, n] bf16
