@@ -71,7 +71,9 @@ def main() -> None:
     inductor: dict[str, Any] = {}
     for pair in filter(None, args.inductor.split(",")):
         name, value = pair.split("=", 1)
-        inductor[name] = {"True": True, "False": False}.get(value, value)
+        inductor[name] = {"True": True, "False": False}.get(
+            value, int(value) if value.isdigit() else value
+        )
         setattr(inductor_config, name, inductor[name])
 
     from tokenfleet.config.worker import WorkerSettings

@@ -109,11 +109,27 @@ def cpp_wrapper() -> bool:
     return os.environ.get("TOKENFLEET_DECODE_CPP_WRAPPER", "1") != "0"
 
 
+# Inductor splits a fused loop between the threads (an OpenMP parallel region) when each
+# thread gets at least `cpp.min_chunk_size` elements (512 by default). A decode tick's
+# fused loops are small (8 rows of SmolLM2's MLP: 12,288 elements) and a tick has ~120
+# of them, so most of their time went to waking the other thread: on an EPYC Zen 4 at 8
+# rows the graph's own code took 2.23 ms a tick, 1.40 with this threshold (tick 12.35
+# -> 10.90 ms, bench/tick_profile.py --inductor cpp.min_chunk_size=65536; one row
+# unchanged: its graph, compiled for one row, ran serial loops already). Whether a wider
+# tick's loops split follows the row count inductor saw when it compiled the graph (not
+# measured past 8 rows); the attention and matmul kernels split their own work.
+DECODE_MIN_CHUNK = 65536
+
+
 def _how(mode: str) -> dict[str, Any]:
-    """torch.compile's mode or options (it takes one or the other): the C++ wrapper
-    in the default mode, else the mode as given (CUDA's reduce-overhead)."""
-    if mode == "default" and cpp_wrapper():
-        return {"options": {"cpp_wrapper": True}}
+    """torch.compile's mode or options (it takes one or the other): on the CPU (the
+    default mode) the C++ wrapper and serial fused loops for the tick's small tensors,
+    else the mode as given (CUDA's reduce-overhead)."""
+    if mode == "default":
+        options: dict[str, Any] = {"cpp.min_chunk_size": DECODE_MIN_CHUNK}
+        if cpp_wrapper():
+            options["cpp_wrapper"] = True
+        return {"options": options}
     return {"mode": mode}
 
 

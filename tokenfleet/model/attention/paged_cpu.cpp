@@ -45,6 +45,15 @@ inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 float32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Ask for a row of HD bf16 values ahead of its use. A context's rows lie in blocks
+// scattered over the pool (16 rows of all KV heads each, one head's row every
+// KVH * HD values), so the hardware prefetcher loses the stream at every block edge.
+template <int64_t HD>
+inline void prefetch_row(const void* p) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < HD * 2; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 template <int64_t HD>
 inline float dot_bf16(const uint16_t* a, const uint16_t* b) {
   __m512 acc = _mm512_setzero_ps();
@@ -104,7 +113,9 @@ inline void weigh_values(const float* w, int64_t L, RowOf row_of, float* acc) {
   __m512 a[GN][C];
   for (int g = 0; g < GN; ++g)
     for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_setzero_ps();
+  constexpr int64_t ahead = 8;  // rows
   for (int64_t j = 0; j < L; ++j) {
+    if (j + ahead < L) prefetch_row<HD>(row_of(j + ahead));
     const uint16_t* v = row_of(j);
     __m512 x[C];
     for (int64_t c = 0; c < C; ++c) x[c] = widen16(v + 16 * c);
@@ -201,6 +212,8 @@ void decode_attention_impl(
           const uint16_t* k16[16];
           for (int i = 0; i < 16; ++i)
             k16[i] = reinterpret_cast<const uint16_t*>(row_of(kb, kn, j + i));
+          for (int64_t i = j + 16; i < std::min(L, j + 32); ++i)  // the next group's keys
+            prefetch_row<HD>(row_of(kb, kn, i));
           for (int64_t g = 0; g < G; ++g)
             dot16_bf16<HD>(q16 + g * HD, k16, scale, scores.data() + g * L + j);
         }
