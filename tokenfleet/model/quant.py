@@ -159,7 +159,7 @@ class PackedWeight:
         rows share its call."""
         if self.rows16:
             if x.shape[0] > PACKED_MAX_ROWS and not one_kernel:
-                return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+                return torch.nn.functional.linear(x, self._dense(x.dtype))
             op = (
                 torch.ops.tokenfleet.int8_linear
                 if self.kind == "int8"
@@ -184,6 +184,17 @@ class PackedWeight:
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.data, INT4_GROUP, self.scales)
         return y
+
+    def _dense(self, dtype: torch.dtype) -> Tensor:
+        """A rows16 weight [out, in] in `dtype` for one dense call. int8 goes straight
+        to `dtype` (q and the bf16-valued scales are exact there, their product rounded
+        once: the bits `dequantize().to(dtype)` gives, without its float32 copy)."""
+        if self.kind == "int8":
+            rows, inp = self.data.shape
+            q = self.data.view(rows // 16, inp // 4, 16, 4).permute(0, 2, 1, 3)
+            q = q.reshape(rows, inp)[: self.out_features]
+            return q.to(dtype) * self.scales[: self.out_features, None].to(dtype)
+        return self.dequantize().to(dtype)
 
     def dequantize(self) -> Tensor:
         """The float32 weight [out, in] these bytes stand for: exact for int8 and for int4
