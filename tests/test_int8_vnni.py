@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers.kernels import assert_rows_independent
 from tokenfleet.model import quant
-from tokenfleet.model.quant import VNNI_MAX_ROWS, quantize_int8
+from tokenfleet.model.quant import PACKED_MAX_ROWS, quantize_int8
 
 pytestmark = pytest.mark.skipif(
     not quant._vnni_possible(), reason="no AVX512-VNNI kernel on this CPU (or no compiler)"
@@ -112,7 +112,7 @@ def test_packed_int8_calls_take_it_up_to_16_rows_and_at_every_count_in_determini
     kernel = c.kernel()
     dense = torch.nn.functional.linear(x, w.dequantize().bfloat16())
     assert not torch.equal(kernel, dense)  # they round differently: the test can tell
-    assert torch.equal(w.matmul(x[:VNNI_MAX_ROWS]), kernel[:VNNI_MAX_ROWS])
+    assert torch.equal(w.matmul(x[:PACKED_MAX_ROWS]), kernel[:PACKED_MAX_ROWS])
     # above 16 rows the dequantized dense matmul, except in deterministic mode, where
     # every row count runs the kernel, so a row rounds alike in any batch
     assert torch.equal(w.matmul(x), dense)
@@ -122,8 +122,8 @@ def test_packed_int8_calls_take_it_up_to_16_rows_and_at_every_count_in_determini
     assert y32.dtype == torch.float32 and torch.equal(y32, kernel[:3].float())
     # torch's layout runs torch's kernel
     t = c.torchs
-    torchs = torch.ops.aten._weight_int8pack_mm(x[:VNNI_MAX_ROWS], t.data, t.scales)
-    assert torch.equal(t.matmul(x[:VNNI_MAX_ROWS]), torchs)
+    torchs = torch.ops.aten._weight_int8pack_mm(x[:PACKED_MAX_ROWS], t.data, t.scales)
+    assert torch.equal(t.matmul(x[:PACKED_MAX_ROWS]), torchs)
 
 
 def test_a_width_the_kernel_cannot_take_keeps_torchs_layout() -> None:

@@ -48,11 +48,8 @@ QUANT_KINDS: tuple[QuantKind, ...] = ("int8", "int4")
 INT4_GROUP = 32
 # Rows up to which `_weight_int8pack_mm` beats dequantize + bf16 matmul (measured on
 # SmolLM2's matrices, 2 threads: equal at 16 rows, 1.5x slower at 32, 2.7x at 256).
+# The same bound serves tokenfleet's kernels (the rows16 layouts).
 PACKED_MAX_ROWS = 16
-# Rows up to which int8 calls run tokenfleet's int8 x int8 kernel where the CPU has
-# AVX512-VNNI (`int8_vnni`); it quantizes the activations per block of 32 as
-# llama.cpp's Q8_0 dot product does.
-VNNI_MAX_ROWS = 16
 _vnni: bool | None = None
 _q4_blocks: bool | None = None
 
@@ -63,7 +60,7 @@ def int8_vnni() -> bool:
     activations quantized to int8 per block of 32, summed by vpdpbusd, where torch's
     `_weight_int8pack_mm` widens every weight to bf16. On wherever the kernel builds
     with AVX512-VNNI, unless `TOKENFLEET_INT8_VNNI=0`; decided at packing, a weight keeps
-    its layout. Calls of up to VNNI_MAX_ROWS rows run it; in deterministic mode
+    its layout. Calls of up to PACKED_MAX_ROWS rows run it; in deterministic mode
     (`one_kernel`) every row count does: a row's result depends on no other row (each
     row quantized on its own), and torch's kernel, which deterministic mode once fell
     back to, cost 0.66x of the mixed workload's tok/s on the Xeon AMX
@@ -190,21 +187,23 @@ class PackedWeight:
         to `dtype` (q and the bf16-valued scales are exact there, their product rounded
         once: the bits `dequantize().to(dtype)` gives, without its float32 copy)."""
         if self.kind == "int8":
-            rows, inp = self.data.shape
-            q = self.data.view(rows // 16, inp // 4, 16, 4).permute(0, 2, 1, 3)
-            q = q.reshape(rows, inp)[: self.out_features]
-            return q.to(dtype) * self.scales[: self.out_features, None].to(dtype)
+            n = self.out_features
+            return self._int8_rows().to(dtype) * self.scales[:n, None].to(dtype)
         return self.dequantize().to(dtype)
+
+    def _int8_rows(self) -> Tensor:
+        """A rows16 int8 weight's q [out, in], back in row order."""
+        rows, inp = self.data.shape
+        q = self.data.view(rows // 16, inp // 4, 16, 4).permute(0, 2, 1, 3)
+        return q.reshape(rows, inp)[: self.out_features]
 
     def dequantize(self) -> Tensor:
         """The float32 weight [out, in] these bytes stand for: exact for int8 and for int4
         in blocks; int4 in torch's layout is read back through its kernel (torch keeps
         that layout private), so each value is rounded to bf16."""
         if self.kind == "int8" and self.rows16:
-            rows, inp = self.data.shape
-            q = self.data.view(rows // 16, inp // 4, 16, 4).permute(0, 2, 1, 3).reshape(rows, inp)
-            w8: Tensor = q.float() * self.scales[:, None]
-            return w8[: self.out_features]
+            w8: Tensor = self._int8_rows().float() * self.scales[: self.out_features, None]
+            return w8
         if self.kind == "int8":
             return self.data.float() * self.scales.float()[:, None]
         if self.rows16:
