@@ -3,6 +3,7 @@
 Usage: python bench/deterministic.py [--model smollm2-135m-instruct] [--rounds 3]
                                      [--quants none,int8] [--threads 2]
                                      [--out bench/out/deterministic.json]
+                                     [--plot docs/img/deterministic.png]
 
 The model is loaded once (bf16); each variant (default / deterministic, per weight
 format) is a copy of it, switched as the worker would (`make_deterministic`). Rounds
@@ -10,14 +11,14 @@ alternate the variants (ABBA order), each a timed run of the 16 mixed jobs (gree
 bench/_common.py) through the public engine API after one warm-up. Reported per
 variant: min / median / max useful tokens/s, the deterministic ÷ default ratio of the
 medians, whether each variant's tokens were the same in every round, and the load
-average around the run. Eager (uncompiled) weights throughout.
+average around the run. Eager (uncompiled) weights throughout. The plot: each variant's
+median tok/s with its min–max range.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import statistics
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 from _common import mixed_workload, requests
 from _engine import engine_config, generate
 from _rounds import abba, timed
-from report import loadavg, machine_info, mark_end
+from report import figure, loadavg, machine_info, mark_end, outputs, spread_errors, write_json
 
 from tokenfleet.model import LoadedModel, load_model
 from tokenfleet.model.deterministic import make_deterministic
@@ -51,7 +52,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quants", default="none,int8")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="bench/out/deterministic.json")
+    outputs(p, "deterministic")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     machine = machine_info()
@@ -110,8 +111,12 @@ def main() -> None:
         "variants": rows,
         "machine": mark_end(machine),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_json(Path(args.out), report)
+    with figure(Path(args.plot), 1, 1, figsize=(6, 3.5)) as ax:
+        medians, errors = spread_errors([rows[n]["tok_s"] for n in names])
+        ax.bar(names, medians, yerr=errors, capsize=4)
+        ax.set_ylabel("useful tok/s (median, min-max)")
+        ax.set_title(f"--deterministic cost, {args.model}, mixed workload")
 
 
 if __name__ == "__main__":
