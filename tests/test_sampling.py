@@ -30,6 +30,23 @@ def test_all_greedy_is_argmax() -> None:
     assert all(s.draws == 0 for s in states)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_picks_what_torchs_argmax_picks_with_ties_and_nans(dtype: torch.dtype) -> None:
+    """The NumPy argmax behind greedy rows: the lowest id among equal maxima, a NaN as the
+    maximum, the same in every dtype, and rows that are views of a wider tensor."""
+    logits = _logits(6).to(dtype)
+    logits[1, 10] = logits[1, 900] = logits[1].max() + 1  # a tie: 10 wins
+    logits[2, 40] = logits[2, 7] = float("nan")  # the first NaN wins
+    logits[3] = 0.0  # all equal: id 0
+    logits[4, 999] = float("inf")
+    wide = torch.cat([logits, logits], dim=1)[:, VOCAB:]  # strided rows
+    states = [SamplingState.from_params() for _ in range(6)]
+    for x in (logits, wide):
+        got = Sampler().sample(x, states)
+        assert got == x.float().argmax(-1).tolist()
+        assert got[1:5] == [10, 7, 0, 999]
+
+
 def test_greedy_rows_in_a_mixed_batch_take_argmax_without_drawing() -> None:
     logits = _logits(4)
     states = [SamplingState.from_params(temperature=t, seed=1) for t in (0.0, 1.0, 0.0, 0.7)]

@@ -88,12 +88,12 @@ class Sampler:
         if any(s.penalties is not None for s in states):
             logits = _penalized(logits, states)
         if all(s.is_greedy for s in states):  # fast path: one argmax for the batch
-            return [int(t) for t in logits.argmax(dim=-1).tolist()]
+            return greedy_tokens(logits)
 
         # Sampling happens on CPU: the generators live there, which also makes a seed
         # give the same tokens on any device. [B, vocab] floats is a small copy.
         logits = logits.detach().float().cpu()
-        tokens = [int(t) for t in logits.argmax(dim=-1).tolist()]
+        tokens = greedy_tokens(logits)
         # Which path a row takes depends only on its own parameters, never on its
         # neighbours: a row must map the same uniform to the same token in any batch.
         plain = [i for i, s in enumerate(states) if not s.is_greedy and not s.filters]
@@ -105,6 +105,19 @@ class Sampler:
                 for i, token in zip(rows, picked, strict=True):
                     tokens[i] = token
         return tokens
+
+
+def greedy_tokens(logits: Tensor) -> list[int]:
+    """Each row's argmax of logits [B, vocab]: the lowest id among equal maxima (a NaN
+    counts as the maximum), as torch's argmax. On the CPU it is NumPy's, vectorized where
+    torch's is not: 49,152 float32 logits took 7 vs 90 µs at one row, 28 vs 710 µs at
+    eight (Xeon AMX, one thread), up to a tenth of a small model's decode tick."""
+    if logits.device.type != "cpu":
+        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+    rows = logits.detach()
+    if rows.dtype not in (torch.float32, torch.float64):  # NumPy has no bfloat16
+        rows = rows.float()
+    return [int(t) for t in rows.numpy().argmax(axis=-1)]
 
 
 def _penalized(logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
