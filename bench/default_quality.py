@@ -15,7 +15,12 @@ Three ways to score:
                  file's own blocks where it chose them) and its decode graph.
 With --int8, also `--quant int8`'s model (eager) scored the decode way twice: int8
 calls on tokenfleet's int8 x int8 kernel (activations quantized per block of 32, where
-the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations).
+the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations); and
+the prefill way as the engine prefills (`int8_prefill_vnni`): the first half as one
+chunk of 256 rows, the scored half as the next (255 rows). Calls of more than
+quant.PACKED_MAX_ROWS rows run the weights dequantized to bf16, so this scores that path
+(on 2026-12-05 a trial bound that kept such chunks on the int8 x int8 kernel read +1.64 %
+here, docs/benchmarks-history.md).
 """
 
 from __future__ import annotations
@@ -73,6 +78,46 @@ def decode_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -
     }
 
 
+def chunked_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
+    """our_perplexity's windows and scored positions, each window prefilled in two chunks
+    (the first half, then the scored half) as the engine's bounded prefill feeds it; the
+    scored half's hidden states taken from the last layer (a hook), checked against the
+    logits the forward returned for its last row."""
+    model = loaded.model
+    blocks = -(-CTX // 16)
+    pool = model.new_kv_pool(blocks, 16)
+    table = list(range(blocks))
+    first = CTX // 2
+    nll, count, worst = 0.0, 0, 0.0
+    captured: list[torch.Tensor] = []
+    started = time.perf_counter()
+    for w in range(len(tokens) // CTX):
+        window = tokens[w * CTX : (w + 1) * CTX]
+        if bos is not None:
+            window[0] = bos
+        model.forward(window[:first], [SeqInput(table, 0, first)], pool)
+        captured.clear()
+        handle = model.layers[-1].register_forward_hook(lambda m, a, out: captured.append(out))
+        try:
+            rows = CTX - 1 - first
+            final = model.forward(window[first : CTX - 1], [SeqInput(table, first, rows)], pool)
+        finally:
+            handle.remove()
+        with torch.inference_mode():
+            logits = model.lm_head(model.norm(captured[0])).double()
+        worst = max(worst, float((logits[-1] - final[0].double()).abs().max()))
+        target = torch.tensor(window[first + 1 :])
+        logp = torch.log_softmax(logits, dim=-1)
+        nll += float(-logp[torch.arange(len(target)), target].sum())
+        count += len(target)
+    return {
+        "ppl": math.exp(nll / count),
+        "scored_tokens": count,
+        "check_max_abs_logit_diff": worst,
+        "seconds": time.perf_counter() - started,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
@@ -114,6 +159,10 @@ def main() -> None:
             results[name] = decode_perplexity(int8, tokens, bos)
             print(f"{name}: {results[name]['ppl']:.4f}", flush=True)
             compared.append((name, "fp32_decode"))
+            if on:
+                results["int8_prefill_vnni"] = chunked_perplexity(int8, tokens, bos)
+                print(f"int8_prefill_vnni: {results['int8_prefill_vnni']['ppl']:.4f}", flush=True)
+                compared.append(("int8_prefill_vnni", "fp32"))
         quant.set_int8_vnni(None)
     for name, base in compared:
         rel = results[name]["ppl"] / results[base]["ppl"] - 1
