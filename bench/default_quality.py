@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,83 +40,86 @@ from tokenfleet.model import load_model
 from tokenfleet.model.auto import apply_plan
 from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.compiled import compile_model
+from tokenfleet.model.kv_pool import KVPool
+from tokenfleet.model.llama import LlamaModel
 from tokenfleet.model.smollm2 import PRESET
 from tokenfleet.model.tick_inputs import SeqInput
 
 TEXT = Path(__file__).resolve().parent / "data" / "declaration_gettysburg.txt"
 CTX = 512
+FIRST = CTX // 2  # the scored half starts here (llama-perplexity's)
 
 
-def decode_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
-    """our_perplexity's windows and scored positions, the scored half fed one token per
-    forward (one-row decode ticks) after a prefill of the first half."""
+def _perplexity(
+    loaded: LoadedModel,
+    tokens: list[int],
+    bos: int | None,
+    scored: Callable[[LlamaModel, KVPool, list[int], list[int]], torch.Tensor],
+) -> dict[str, Any]:
+    """PPL over our_perplexity's windows (first token BOS where the vocab adds one), each
+    on an empty pool: `scored(model, pool, table, window)` gives the logits at positions
+    FIRST, FIRST + 1, ..., each scored against the next token."""
     model = loaded.model
-    block = 16
-    blocks = -(-CTX // block)
-    pool = model.new_kv_pool(blocks, block)
+    blocks = -(-CTX // 16)
+    pool = model.new_kv_pool(blocks, 16)
     table = list(range(blocks))
-    first = CTX // 2
     nll, count = 0.0, 0
     started = time.perf_counter()
     for w in range(len(tokens) // CTX):
         window = tokens[w * CTX : (w + 1) * CTX]
         if bos is not None:
             window[0] = bos
-        logits = [model.forward(window[:first], [SeqInput(table, 0, first)], pool)[0]]
-        for p in range(first, CTX - 2):
-            logits.append(model.forward([window[p]], [SeqInput(table, p, 1)], pool)[0])
-        # logits[i] predicts window[first + i]: score positions first .. CTX - 2 as
-        # our_perplexity does (the logits at p against window[p + 1])
-        scored = torch.stack(logits[1:]).double()  # at positions first .. CTX - 3
-        target = torch.tensor(window[first + 1 : CTX - 1])
-        logp = torch.log_softmax(scored, dim=-1)
-        nll += float(-logp[torch.arange(len(target)), target].sum())
-        count += len(target)
-    return {
-        "ppl": math.exp(nll / count),
-        "scored_tokens": count,
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def chunked_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
-    """our_perplexity's windows and scored positions, each window prefilled in two chunks
-    (the first half, then the scored half) as the engine's bounded prefill feeds it; the
-    scored half's hidden states taken from the last layer (a hook), checked against the
-    logits the forward returned for its last row."""
-    model = loaded.model
-    blocks = -(-CTX // 16)
-    pool = model.new_kv_pool(blocks, 16)
-    table = list(range(blocks))
-    first = CTX // 2
-    nll, count, worst = 0.0, 0, 0.0
-    captured: list[torch.Tensor] = []
-    started = time.perf_counter()
-    for w in range(len(tokens) // CTX):
-        window = tokens[w * CTX : (w + 1) * CTX]
-        if bos is not None:
-            window[0] = bos
-        model.forward(window[:first], [SeqInput(table, 0, first)], pool)
-        captured.clear()
-        handle = model.layers[-1].register_forward_hook(lambda m, a, out: captured.append(out))
-        try:
-            rows = CTX - 1 - first
-            final = model.forward(window[first : CTX - 1], [SeqInput(table, first, rows)], pool)
-        finally:
-            handle.remove()
-        with torch.inference_mode():
-            logits = model.lm_head(model.norm(captured[0])).double()
-        worst = max(worst, float((logits[-1] - final[0].double()).abs().max()))
-        target = torch.tensor(window[first + 1 :])
+        logits = scored(model, pool, table, window).double()
+        target = torch.tensor(window[FIRST + 1 : FIRST + 1 + logits.shape[0]])
         logp = torch.log_softmax(logits, dim=-1)
         nll += float(-logp[torch.arange(len(target)), target].sum())
         count += len(target)
     return {
         "ppl": math.exp(nll / count),
         "scored_tokens": count,
-        "check_max_abs_logit_diff": worst,
         "seconds": time.perf_counter() - started,
     }
+
+
+def _decoded(model: LlamaModel, pool: KVPool, table: list[int], window: list[int]) -> torch.Tensor:
+    """The first half prefilled, then one token per forward (one-row decode ticks): the
+    logits at positions FIRST .. CTX - 3 (one short of our_perplexity's last)."""
+    model.forward(window[:FIRST], [SeqInput(table, 0, FIRST)], pool)
+    rows = [
+        model.forward([window[p]], [SeqInput(table, p, 1)], pool)[0] for p in range(FIRST, CTX - 2)
+    ]
+    return torch.stack(rows)
+
+
+def _chunked(model: LlamaModel, pool: KVPool, table: list[int], window: list[int]) -> torch.Tensor:
+    """The window prefilled in two chunks (the first half, then the scored half), as the
+    engine's bounded prefill feeds it: the logits at positions FIRST .. CTX - 2 from the
+    last layer's hidden states (a hook), checked against what the forward returned for
+    its last row as bench/_perplexity.py's hook is."""
+    model.forward(window[:FIRST], [SeqInput(table, 0, FIRST)], pool)
+    captured: list[torch.Tensor] = []
+    handle = model.layers[-1].register_forward_hook(lambda m, a, out: captured.append(out))
+    try:
+        rows = CTX - 1 - FIRST
+        final = model.forward(window[FIRST : CTX - 1], [SeqInput(table, FIRST, rows)], pool)[0]
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        logits = model.lm_head(model.norm(captured[0])).float()
+    off = float((logits[-1] - final).abs().max())
+    if off > 5e-2 * max(1.0, float(final.abs().max())):  # bf16 noise passes; a wrong row not
+        raise RuntimeError(f"the hooked hidden states give logits {off} off the forward's")
+    return logits
+
+
+def decode_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
+    """our_perplexity's windows, the scored half fed one token per forward."""
+    return _perplexity(loaded, tokens, bos, _decoded)
+
+
+def chunked_perplexity(loaded: LoadedModel, tokens: list[int], bos: int | None) -> dict[str, Any]:
+    """our_perplexity's windows and scored positions, prefilled in two chunks."""
+    return _perplexity(loaded, tokens, bos, _chunked)
 
 
 def main() -> None:
