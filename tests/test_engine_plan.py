@@ -183,12 +183,16 @@ def test_a_float32_model_keeps_narrow_weights_too() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("weights", ["narrow", "quantized"])
-def test_decode_graph_follows_the_eager_forward(weights: str) -> None:
+def test_decode_graph_follows_the_eager_forward(
+    weights: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Whole decode ticks compiled as one graph (the default start's narrow weights, or
     a `--quant` model's only ones; the kernel, the KV written after it) give the eager
     forward's logits and greedy tokens, for one row and several, across block boundaries
     (up to bf16 rounding: fused code rounds in another order); the pool holds the same
-    K/V."""
+    K/V. (The graph, not the native stack that serves these models by default:
+    tests/test_native_decode.py.)"""
+    monkeypatch.setenv("TOKENFLEET_NATIVE_DECODE", "0")
     graph, eager = _twins()
     for m in (graph, eager):
         if weights == "narrow":
@@ -379,6 +383,8 @@ def test_status_shows_each_workers_engine_and_why() -> None:
     plan = {"narrow": "int4", "narrow_rows": 8, "decode_graph": True, "why": "int4 for decode"}
     worker = {"dtype": "bfloat16", "engine": plan, "compile_mode": "default", "model": "m"}
     assert engine_summary(worker) == "bfloat16 +int4≤8 graph"
+    native = {**worker, "decode_path": "native"}  # the C++ stack runs decode ticks
+    assert engine_summary(native) == "bfloat16 +int4≤8 native"
     assert engine_summary({"dtype": "float32", "quant": "int8", "compile_mode": "default"}) == (
         "float32 int8 compiled"
     )

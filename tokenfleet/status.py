@@ -206,7 +206,9 @@ def engine_summary(worker: Mapping[str, Any]) -> str:
         parts.append(f"+{plan['narrow']}≤{plan.get('narrow_rows')}")
     if worker.get("quant"):
         parts.append(str(worker["quant"]))
-    if isinstance(plan, dict) and plan.get("decode_graph") and worker.get("compile_mode"):
+    if worker.get("decode_path") == "native":
+        parts.append("native")
+    elif isinstance(plan, dict) and plan.get("decode_graph") and worker.get("compile_mode"):
         parts.append("graph")
     elif worker.get("compile_mode"):
         parts.append("compiled")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
+from tokenfleet.model.decode_graph import DecodeGraph
 from tokenfleet.model.layers import (
     AttnWeights,
     FieldSpec,
@@ -43,6 +45,7 @@ from tokenfleet.model.layers import (
     head,
     unflatten_weights,
 )
+from tokenfleet.model.native_decode import NativeDecode, unsupported
 from tokenfleet.model.quant import PackedWeight, weight_of
 from tokenfleet.model.tick_inputs import SeqInput
 
@@ -188,19 +191,35 @@ def compile_model(
     model.compiled = CompiledSteps(model, mode)
     graphs = 4
     if decode_graph:
-        from tokenfleet.model.decode_graph import DecodeGraph
-
-        model.decode_graph = DecodeGraph(model, narrow=model.narrow is not None, mode=mode)
-        graphs += 1
+        model.decode_graph = _whole_ticks(model, mode)
+        graphs += isinstance(model.decode_graph, DecodeGraph)
     # the patch for the decode graph only: the pieces compile as they always have (their
     # one-row graph is part of what the deterministic mode's forward check has passed)
-    with size_oblivious if model.decode_graph is not None else contextlib.nullcontext():
+    graph = isinstance(model.decode_graph, DecodeGraph)
+    with size_oblivious if graph else contextlib.nullcontext():
         _warm_up(model)
     if model.deterministic is not None:  # the compiled pieces keep its promise too
         from tokenfleet.model.deterministic import check_forward
 
         check_forward(model)
     return CompileReport(mode, time.perf_counter() - started, graphs=graphs)
+
+
+def native_decode_wanted() -> bool:
+    """Whether whole decode ticks may run on the native stack (`native_decode.py`) where
+    it serves the model: unless `TOKENFLEET_NATIVE_DECODE=0`, which keeps the compiled
+    decode graph (to compare the two, or to step around a fault in the stack)."""
+    return os.environ.get("TOKENFLEET_NATIVE_DECODE", "1") != "0"
+
+
+def _whole_ticks(model: LlamaModel, mode: str) -> DecodeGraph | NativeDecode:
+    """What runs a whole decode tick in one call: the native stack where it serves this
+    model on the CPU (no compiling, a fifth of the per-tick overhead: native_decode.py),
+    else the compiled decode graph."""
+    narrow = model.narrow is not None
+    if model.device.type == "cpu" and native_decode_wanted() and unsupported(model, narrow) is None:
+        return NativeDecode(model, narrow=narrow)
+    return DecodeGraph(model, narrow=narrow, mode=mode)
 
 
 def _warm_up(model: LlamaModel) -> None:

@@ -44,7 +44,7 @@ from tokenfleet.model.layers import (
     rms_norm,
     unflatten_weights,
 )
-from tokenfleet.model.tick_inputs import SeqInput
+from tokenfleet.model.tick_inputs import SeqInput, decode_rows
 
 if TYPE_CHECKING:
     from tokenfleet.model.kv_pool import KVPool
@@ -181,22 +181,11 @@ class DecodeGraph:
         """Every seq one new token (a decode): logits [B, vocab]; K/V written to `kv`."""
         m = self._model
         bs = kv.block_size
-        width = max(s.start_pos // bs + 1 for s in seqs)
-        rows: list[list[int]] = []  # each row's blocks up to its new token's, zero-padded
-        write: list[int] = []
-        positions: list[int] = []
-        for s in seqs:
-            p = s.start_pos
-            used = s.block_table[: p // bs + 1]
-            rows.append(used + [0] * (width - len(used)))
-            write.append(used[-1] * bs + p % bs)
-            positions.append(p)
-        tables = torch.tensor(rows, dtype=torch.int32)
+        tables, pos, at = decode_rows(seqs, bs)
         flat = (kv.num_layers, kv.num_slots, kv.num_kv_heads, kv.head_dim)
         k_pool, v_pool = kv.k.view(flat), kv.v.view(flat)
         inv_local = m._inv_freq_local if m._inv_freq_local is not None else m._inv_freq
         ids = torch.as_tensor(input_ids, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
         for t, dims in ((ids, (0,)), (pos, (0,)), (tables, (0, 1)), (k_pool, (1,)), (v_pool, (1,))):
             torch._dynamo.mark_dynamic(t, dims)
         normed, k_new, v_new = self._fn(
@@ -213,7 +202,6 @@ class DecodeGraph:
             self._shape,
             *self._weights,
         )
-        at = torch.tensor(write, dtype=torch.long)
         k_pool.index_copy_(1, at, k_new)
         v_pool.index_copy_(1, at, v_new)
         # the LM head outside the graph: which copy serves depends on the rows

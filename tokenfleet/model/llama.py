@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from tokenfleet.model.cuda_graph import CudaGraphDecode
     from tokenfleet.model.decode_graph import DecodeGraph
     from tokenfleet.model.deterministic import DeterminismReport
+    from tokenfleet.model.native_decode import NativeDecode
 
 
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -176,8 +177,9 @@ class LlamaModel(nn.Module):
         # Set by `compiled.compile_model`: runs the row-wise parts compiled, and (with a
         # narrow set, or alone) whole decode ticks as one graph.
         self.compiled: CompiledSteps | None = None
-        # (or, on CUDA, `cuda_graph.install`: decode ticks replayed from CUDA graphs)
-        self.decode_graph: DecodeGraph | CudaGraphDecode | None = None
+        # (the native stack where it serves the model: `native_decode.py`; on CUDA,
+        # `cuda_graph.install`: decode ticks replayed from CUDA graphs)
+        self.decode_graph: DecodeGraph | NativeDecode | CudaGraphDecode | None = None
         # Set by `deterministic.make_deterministic`: batch-invariant numerics, and how.
         self.deterministic: DeterminismReport | None = None
 

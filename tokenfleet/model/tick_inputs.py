@@ -34,6 +34,22 @@ class SeqInput:
     num_new: int  # 1 for decode, a chunk length for prefill
 
 
+def decode_rows(seqs: Sequence[SeqInput], block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A decode-only tick (one new token per seq) for the paged kernels: each row's block
+    table up to its new token's block, zero-padded to the widest (int32 [B, W]), its new
+    token's position (int64 [B]) and the pool slot its K/V go to (int64 [B])."""
+    width = max(s.start_pos // block_size + 1 for s in seqs)
+    rows: list[list[int]] = []
+    slots: list[int] = []
+    for s in seqs:
+        p = s.start_pos
+        used = s.block_table[: p // block_size + 1]
+        rows.append(used + [0] * (width - len(used)))
+        slots.append(used[-1] * block_size + p % block_size)
+    positions = torch.tensor([s.start_pos for s in seqs], dtype=torch.long)
+    return torch.tensor(rows, dtype=torch.int32), positions, torch.tensor(slots, dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class DecodeGroup:
     """All sequences with exactly one new token: attended together."""

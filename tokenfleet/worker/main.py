@@ -377,6 +377,25 @@ def _compile_or_stay_eager(
     return {
         "compile_mode": report.mode,
         "compile_s": round(report.warmup_s, 2),
-        # decode ticks as one compiled graph (model/decode_graph.py)
+        # whole decode ticks in one call (model/decode_graph.py, model/native_decode.py)
         "decode_graph": getattr(model, "decode_graph", None) is not None,
+        # which: "native" (the C++ layer stack), "compiled" (the graph), or why neither
+        "decode_path": _decode_path(model),
     }
+
+
+def _decode_path(model: Any) -> str | None:
+    """What runs a whole decode tick: "native" (model/native_decode.py), "compiled" (the
+    decode graph) with why the native stack does not serve this model, or None."""
+    unit = getattr(model, "decode_graph", None)
+    if unit is None:
+        return None
+    from tokenfleet.model.compiled import native_decode_wanted
+    from tokenfleet.model.native_decode import NativeDecode, unsupported
+
+    if isinstance(unit, NativeDecode):
+        return "native"
+    if not native_decode_wanted():
+        return "compiled (TOKENFLEET_NATIVE_DECODE=0)"
+    why = unsupported(model, model.narrow is not None) if model.device.type == "cpu" else None
+    return f"compiled ({why})" if why else "compiled"

@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -580,6 +581,223 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 #endif
 }
 
+// ---- a decode tick's layers in one call (the native decode stack) -------------------
+//
+// Every layer of a tick in which each row decodes one token: norm, q/k/v, rope, the K/V
+// write into the pool, the attention above, the output projection, the MLP, and the final
+// norm, from one C++ loop (tokenfleet/model/native_decode.py binds the weights once). The
+// compiled decode graph does the same work as ~290 calls a tick (fused loops, each extern
+// kernel through the dispatcher, its guards and buffers): 0.6 ms of a one-row tick and
+// 1.2 of an eight-row one on an EPYC Zen 4. Here the pointwise work runs in plain loops on
+// the calling thread (a tick's rows are few) and the matmul and attention kernels are
+// called directly.
+//
+// The arithmetic is eager PyTorch's for a bf16 model, op by op: each op computes in
+// float32 from bf16 inputs and rounds its result to bf16 (nearest even), as the eager
+// forward (`tokenfleet/model/layers.py`) does. Only the order of a norm's sum of squares
+// may differ from torch's.
+
+inline float bf(uint16_t h) {  // bf16 bits -> float (exact)
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t to_bf(float f) {  // float -> bf16 bits, nearest even (finite values)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float round_bf(float f) { return bf(to_bf(f)); }
+
+// out = w * (x / rms(x)).to(bf16), one row of n values: layers.rms_norm
+inline void rms_norm_row(const uint16_t* x, const uint16_t* w, int64_t n, float eps,
+                         uint16_t* out) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += bf(x[i]) * bf(x[i]);
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * round_bf(bf(x[i]) * r));
+}
+
+// layers.rotate on one head of hd values: x * cos + rotate_half(x) * sin
+inline void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t hd,
+                      uint16_t* out) {
+  const int64_t half = hd / 2;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = bf(x[i]), x2 = bf(x[i + half]);
+    out[i] = to_bf(round_bf(x1 * bf(c[i])) + round_bf(-x2 * bf(s[i])));
+    out[i + half] = to_bf(round_bf(x2 * bf(c[i + half])) + round_bf(x1 * bf(s[i + half])));
+  }
+}
+
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  // weights: per layer [attn norm, qkv, qkv scales, o, o scales, mlp norm, gate_up,
+  // gate_up scales, down, down scales]; kinds: per layer and projection (qkv, o, gate_up,
+  // down) 0 dense bf16 [N, K] (its scales an empty tensor), 1 int8 rows16, 2 int4 rows16.
+  DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> kinds,
+              std::vector<int64_t> windows, at::Tensor final_norm, int64_t heads,
+              int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t inter, double eps,
+              bool gelu)
+      : w_(std::move(weights)), kinds_(std::move(kinds)), windows_(std::move(windows)),
+        final_norm_(std::move(final_norm)), H_(heads), KVH_(kv_heads), hd_(head_dim),
+        hidden_(hidden), inter_(inter), eps_(static_cast<float>(eps)), gelu_(gelu) {
+    const int64_t L = static_cast<int64_t>(windows_.size());
+    TORCH_CHECK(static_cast<int64_t>(w_.size()) == 10 * L && static_cast<int64_t>(kinds_.size()) == 4 * L,
+                "DecodeStack: 10 weights and 4 kinds per layer");
+    TORCH_CHECK(hd_ % 2 == 0 && H_ % KVH_ == 0, "DecodeStack: head shapes");
+    for (const auto& t : w_)
+      TORCH_CHECK(t.numel() == 0 || t.is_contiguous(), "DecodeStack: weights must be contiguous");
+    for (int64_t k : kinds_) TORCH_CHECK(k >= 0 && k <= 2, "DecodeStack: unknown weight kind");
+#ifndef TOKENFLEET_VNNI
+    for (int64_t k : kinds_) TORCH_CHECK(k == 0, "DecodeStack: packed weights need AVX512-VNNI");
+#endif
+  }
+
+  // x [B, hidden] bf16 (the embedded tokens); cos/sin and the sliding layers' wcos/wsin
+  // [B, hd] bf16; pools [layers, S, KVH, hd]; tables [B, W] int32; positions [B] int64
+  // (each row's new token's); slots [B] int64 (where its K/V go in the pools). Writes
+  // every layer's new K/V into the pools and returns the final norm's output [B, hidden].
+  at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor wcos, at::Tensor wsin,
+                 at::Tensor k_pool, at::Tensor v_pool, at::Tensor tables, at::Tensor positions,
+                 at::Tensor slots, int64_t block_size) {
+    const int64_t B = x.size(0), L = static_cast<int64_t>(windows_.size());
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kBFloat16,
+                "DecodeStack.run: x [B, hidden] bf16");
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == L && k_pool.size(2) == KVH_ &&
+                    k_pool.size(3) == hd_ && k_pool.scalar_type() == at::kBFloat16 &&
+                    k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
+                    v_pool.is_contiguous(),
+                "DecodeStack.run: pools [layers, S, KVH, hd] bf16, contiguous");
+    TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && tables.size(0) == B &&
+                    positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
+                "DecodeStack.run: one position, slot and table row per row");
+    for (const auto* t : {&cos, &sin, &wcos, &wsin})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == hd_ &&
+                      t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                  "DecodeStack.run: cos/sin [B, hd] bf16");
+    const int64_t S = k_pool.size(1), row = KVH_ * hd_, qn = H_ * hd_;
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "DecodeStack.run: slot out of the pool");
+
+    RECORD_FUNCTION("tokenfleet::DecodeStack.run", std::vector<c10::IValue>());
+    auto h = x.clone();  // the residual stream, updated in place
+    auto normed = at::empty_like(h);
+    auto q = at::empty({B, H_, hd_}, x.options());
+    auto act = at::empty({B, inter_}, x.options());
+    auto past = positions + 1;  // each row's keys in the pool once its own is written
+    auto xs = reinterpret_cast<uint16_t*>(h.data_ptr<c10::BFloat16>());
+    auto ns = reinterpret_cast<uint16_t*>(normed.data_ptr<c10::BFloat16>());
+    auto qs = reinterpret_cast<uint16_t*>(q.data_ptr<c10::BFloat16>());
+    auto as = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
+    auto kp = reinterpret_cast<uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
+    auto vp = reinterpret_cast<uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
+    auto tab = tables.to(at::kInt).contiguous();
+    auto bits = [](const at::Tensor& t) {
+      return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+    };
+
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = w_.data() + 10 * l;
+      const int64_t* kind = kinds_.data() + 4 * l;
+      const bool sliding = windows_[l] > 0;
+      const uint16_t* c = bits(sliding ? wcos : cos);
+      const uint16_t* s = bits(sliding ? wsin : sin);
+
+      for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(w[0]), hidden_, eps_, ns + b * hidden_);
+      auto qkv = linear(normed, w[1], w[2], kind[0], qn + 2 * row);
+      const uint16_t* qkvs = bits(qkv);
+      const int64_t width = qn + 2 * row;
+      for (int64_t b = 0; b < B; ++b) {
+        const uint16_t* r = qkvs + b * width;
+        const uint16_t* cb = c + b * hd_;
+        const uint16_t* sb = s + b * hd_;
+        for (int64_t i = 0; i < H_; ++i) rope_head(r + i * hd_, cb, sb, hd_, qs + (b * H_ + i) * hd_);
+        const int64_t at = (l * S + sp[b]) * row;
+        for (int64_t i = 0; i < KVH_; ++i) rope_head(r + qn + i * hd_, cb, sb, hd_, kp + at + i * hd_);
+        std::memcpy(vp + at, r + qn + row, row * 2);
+      }
+      auto att = at::empty_like(q);
+      attention(q, k_pool, v_pool, tab, past, l, block_size, windows_[l], att);
+      auto o = linear(att.view({B, qn}), w[3], w[4], kind[1], hidden_);
+      add_into(xs, bits(o), B * hidden_);
+
+      for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(w[5]), hidden_, eps_, ns + b * hidden_);
+      auto gu = linear(normed, w[6], w[7], kind[2], 2 * inter_);
+      const uint16_t* g = bits(gu);
+      for (int64_t b = 0; b < B; ++b) glu_row(g + b * 2 * inter_, g + b * 2 * inter_ + inter_, as + b * inter_);
+      auto down = linear(act, w[8], w[9], kind[3], hidden_);
+      add_into(xs, bits(down), B * hidden_);
+    }
+    for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(final_norm_), hidden_, eps_, ns + b * hidden_);
+    return normed;
+  }
+
+ private:
+  static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                           int64_t kind, int64_t n) {
+    // named as the ops are, so a profile (bench/tick_profile.py) sees the kernels
+    if (kind == 1) {
+      RECORD_FUNCTION("tokenfleet::int8_linear", std::vector<c10::IValue>());
+      return int8_linear(x, w, scales, n);
+    }
+    if (kind == 2) {
+      RECORD_FUNCTION("tokenfleet::q4_linear", std::vector<c10::IValue>());
+      return q4_linear(x, w, scales, n);
+    }
+    return at::linear(x, w);
+  }
+
+  static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {  // x = x + y
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) x[i] = to_bf(bf(x[i]) + bf(y[i]));
+  }
+
+  void glu_row(const uint16_t* gate, const uint16_t* up, uint16_t* out) const {
+    if (gelu_) {  // F.gelu(approximate="tanh")
+      const float k = std::sqrt(2.0f / static_cast<float>(M_PI));
+#pragma omp simd
+      for (int64_t i = 0; i < inter_; ++i) {
+        const float g = bf(gate[i]);
+        const float a = round_bf(0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))));
+        out[i] = to_bf(a * bf(up[i]));
+      }
+    } else {  // F.silu
+#pragma omp simd
+      for (int64_t i = 0; i < inter_; ++i) {
+        const float g = bf(gate[i]);
+        out[i] = to_bf(round_bf(g / (1.0f + expf(-g))) * bf(up[i]));
+      }
+    }
+  }
+
+  void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 const at::Tensor& tables, const at::Tensor& past, int64_t layer,
+                 int64_t block_size, int64_t window, at::Tensor& out) const {
+    RECORD_FUNCTION("tokenfleet::decode_attention", std::vector<c10::IValue>());
+    const c10::optional<at::Tensor> none;
+    switch (hd_) {
+      case 64: decode_attention_impl<c10::BFloat16, 64>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
+      case 128: decode_attention_impl<c10::BFloat16, 128>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
+      case 256: decode_attention_impl<c10::BFloat16, 256>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
+      default: decode_attention_impl<c10::BFloat16, 0>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out);
+    }
+  }
+
+  std::vector<at::Tensor> w_;
+  std::vector<int64_t> kinds_, windows_;
+  at::Tensor final_norm_;
+  int64_t H_, KVH_, hd_, hidden_, inter_;
+  float eps_;
+  bool gelu_;
+};
+
 bool int8_vnni() {
 #ifdef TOKENFLEET_VNNI
   return true;
@@ -591,6 +809,10 @@ bool int8_vnni() {
 }  // namespace
 
 TORCH_LIBRARY(tokenfleet, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                       at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool>())
+      .def("run", &DecodeStack::run);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
   m.def("int8_vnni() -> bool", &int8_vnni);

@@ -1,0 +1,214 @@
+"""The native decode stack (tokenfleet/model/native_decode.py, `DecodeStack` in
+attention/paged_cpu.cpp): whole decode ticks in one C++ call, against the eager forward
+it copies op by op, for every weight kind it runs; the models it does not serve keep
+the compiled decode graph, and the worker's hash says which runs."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.models import make_hf_llama, save_hf_llama
+from tokenfleet.model import load_model
+from tokenfleet.model.attention import paged_cpu
+from tokenfleet.model.compiled import compile_model
+from tokenfleet.model.config import FULL, SLIDING
+from tokenfleet.model.llama import LlamaModel
+from tokenfleet.model.native_decode import NativeDecode, unsupported
+from tokenfleet.model.tick_inputs import SeqInput
+
+needs_kernel = pytest.mark.skipif(not paged_cpu.load(), reason=f"{paged_cpu.failure()}")
+needs_vnni = pytest.mark.skipif(
+    not paged_cpu.load() or not torch.ops.tokenfleet.int8_vnni(),
+    reason="the packed kernels need AVX512-VNNI",
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small Llama whose every matrix the packed 16-row layouts hold (dims multiples
+    of 32; tiny-random's 688-wide MLP is not: its down projection stays in torch's
+    layout, which the stack does not run)."""
+    hf = make_hf_llama(
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1
+    )
+    return str(save_hf_llama(hf, tmp_path_factory.mktemp("native") / "llama"))
+
+
+def _tiny(checkpoint: str, weights: str) -> LlamaModel:
+    """The checkpoint in bf16 with the weight set a worker would decode on: the dense
+    one, a narrow int8 or int4 set beside it (the default start), or all int8
+    (`--quant`)."""
+    model = load_model(checkpoint, dtype="bfloat16", device="cpu").model
+    if weights in ("int8", "int4"):
+        model.add_narrow(weights, 4)
+    elif weights == "quantized":
+        model.quantize("int8")
+    return model
+
+
+def _prefill(model: LlamaModel, rows: int, length: int, blocks: int = 8) -> tuple:
+    """A pool holding `rows` prompts of `length` tokens, each in its own shuffled
+    blocks of 4; returns (pool, tables)."""
+    pool = model.new_kv_pool(rows * blocks + 2, 4)
+    order = torch.randperm(rows * blocks, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [order[r * blocks : (r + 1) * blocks] for r in range(rows)]
+    for r in range(rows):
+        ids = [(7 * r + 3 * i) % 500 + 1 for i in range(length)]
+        model.forward(ids, [SeqInput(tables[r], 0, length)], pool)
+    return pool, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "weights",
+    [
+        "dense",
+        pytest.param("int8", marks=needs_vnni),
+        pytest.param("int4", marks=needs_vnni),
+        pytest.param("quantized", marks=needs_vnni),
+    ],
+)
+def test_the_stack_follows_the_eager_forward_step_by_step(
+    weights: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy decoding of three rows for 14 steps (across block edges): the stack's
+    logits are the eager forward's with the same attention kernel, up to the order of a
+    norm's sum (a last bf16 bit now and then); the same greedy tokens; the same K/V in
+    the pool."""
+    monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")  # eager attends with the kernel
+    model = _tiny(checkpoint, weights)
+    narrow = weights in ("int8", "int4")
+    stack = NativeDecode(model, narrow=narrow)
+    pool, tables = _prefill(model, 3, 5)
+    eager_pool = copy.deepcopy(pool)
+    fed = [[11], [12], [13]]
+    agree = 0
+    for step in range(14):  # positions 5..18: four blocks
+        seqs = [SeqInput(tables[r], 5 + step, 1) for r in range(3)]
+        assert stack.serves(seqs, model.is_narrow(3, seqs))
+        ids = [f[-1] for f in fed]
+        got = stack.forward(ids, seqs, pool)
+        want = model.forward(ids, seqs, eager_pool)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
+        agree += int((got.argmax(-1) == want.argmax(-1)).sum())
+        for r in range(3):
+            fed[r].append(int(want[r].argmax()))
+    assert agree >= 40  # of 42: a near tie may go either way
+    torch.testing.assert_close(pool.k.float(), eager_pool.k.float(), atol=0.02, rtol=0.02)
+    torch.testing.assert_close(pool.v.float(), eager_pool.v.float(), atol=0.02, rtol=0.02)
+
+
+@needs_vnni
+def test_a_rows_result_does_not_depend_on_the_other_rows(checkpoint: str) -> None:
+    """The stack is row-wise but for attention, which reads each row's own context: a
+    row's logits and K/V in a tick of three equal what it gets alone, bit for bit."""
+    model = _tiny(checkpoint, "int4")
+    stack = NativeDecode(model, narrow=True)
+    pool, tables = _prefill(model, 3, 9)
+    seqs = [SeqInput(tables[r], 9, 1) for r in range(3)]
+    together_pool = copy.deepcopy(pool)
+    together = stack.forward([5, 6, 7], seqs, together_pool)
+    for r in range(3):
+        alone_pool = copy.deepcopy(pool)
+        alone = stack.forward([5 + r], [seqs[r]], alone_pool)
+        assert torch.equal(alone[0], together[r])
+    assert torch.equal(alone_pool.k[:, tables[2]], together_pool.k[:, tables[2]])
+
+
+@needs_kernel
+def test_sliding_window_layers_attend_within_their_window(
+    checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint's weights in a model whose first layer slides over 8 positions
+    with its own rope base (Gemma 3's layout, without Gemma's norms): the stack follows
+    the eager forward past the window, and differs from the same weights without it."""
+    monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")
+    plain = load_model(checkpoint, dtype="bfloat16", device="cpu").model
+    config = dataclasses.replace(
+        plain.config,
+        layer_types=(SLIDING, FULL),
+        sliding_window=8,
+        rope_local_theta=1000.0,
+    )
+    model = LlamaModel(config)
+    model.load_state_dict(plain.state_dict())
+    model.to(torch.bfloat16)
+    assert model.config.window_of(0) == 8 and unsupported(model, False) is None
+    stack, without = NativeDecode(model, narrow=False), NativeDecode(plain, narrow=False)
+    pool, tables = _prefill(model, 2, 20)
+    eager_pool = copy.deepcopy(pool)
+    for step in range(4):
+        seqs = [SeqInput(tables[r], 20 + step, 1) for r in range(2)]
+        unwindowed = without.forward([3, 4], seqs, copy.deepcopy(pool))
+        got = stack.forward([3, 4], seqs, pool)
+        want = model.forward([3, 4], seqs, eager_pool)
+        torch.testing.assert_close(got, want, atol=0.03, rtol=0.03)
+        assert (got - unwindowed).abs().max() > 0.1
+
+
+@pytest.mark.parametrize(
+    ("family", "why"),
+    [("qwen2", "projection biases"), ("qwen3", "q/k norms"), ("gemma3", "Gemma")],
+)
+def test_models_it_does_not_serve_keep_the_compiled_graph(
+    family: str, why: str, tmp_path: Path
+) -> None:
+    """Biases, q/k norms and Gemma's norms are not in the stack: it says so by name, and
+    compiling such a model gives it the decode graph (on a CPU where the kernel builds)."""
+    extra = {"head_dim": 32} if family != "qwen2" else {}
+    hf = make_hf_llama(
+        family=family, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, **extra
+    )
+    model = load_model(str(save_hf_llama(hf, tmp_path / "m")), dtype="bfloat16", device="cpu").model
+    reason = unsupported(model, False)
+    assert reason is not None and why in reason
+    with pytest.raises(ValueError, match="cannot serve"):
+        NativeDecode(model, narrow=False)
+
+
+def test_a_float32_model_is_not_served() -> None:
+    model = load_model("tiny-random", dtype="float32", device="cpu").model
+    assert "bfloat16" in str(unsupported(model, False))
+
+
+@needs_kernel
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_compiling_picks_the_stack_unless_told_not_to(
+    native: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`compile_model(decode_graph=True)` gives a model the stack (nothing more to
+    compile: four graphs, the pieces) where it serves, the compiled decode graph with
+    `TOKENFLEET_NATIVE_DECODE=0`; the worker's hash field names which."""
+    from tokenfleet.model.decode_graph import DecodeGraph
+    from tokenfleet.worker.main import _decode_path
+
+    monkeypatch.setenv("TOKENFLEET_NATIVE_DECODE", native)
+    model = _tiny(checkpoint, "dense")
+    report = compile_model(model, decode_graph=True)
+    if native == "1":
+        assert isinstance(model.decode_graph, NativeDecode) and report.graphs == 4
+        assert _decode_path(model) == "native"
+    else:
+        assert isinstance(model.decode_graph, DecodeGraph) and report.graphs == 5
+        assert _decode_path(model) == "compiled (TOKENFLEET_NATIVE_DECODE=0)"
+    pool, tables = _prefill(model, 2, 6)
+    logits = model.forward([1, 2], [SeqInput(tables[r], 6, 1) for r in range(2)], pool)
+    assert logits.shape == (2, model.config.vocab_size) and torch.isfinite(logits).all()
+
+
+@needs_kernel
+def test_a_slot_outside_the_pool_is_refused_by_name(checkpoint: str) -> None:
+    """A bad block table fails the call with a named error; nothing is written."""
+    model = _tiny(checkpoint, "dense")
+    stack = NativeDecode(model, narrow=False)
+    pool, _ = _prefill(model, 1, 3)
+    before = pool.k.clone()
+    with pytest.raises(RuntimeError, match="slot out of the pool"):
+        stack.forward([1], [SeqInput([pool.num_blocks + 5], 3, 1)], pool)
+    assert torch.equal(pool.k, before)
