@@ -4,6 +4,7 @@ sessions decoding, the tick split into the matmuls and everything else.
 
 Usage: python bench/tick_profile.py [--batches 1,8] [--ticks 40] [--threads 2]
            [--rounds 3] [--inductor 'cpp_wrapper=True,...'] [--quant int8|int4]
+           [--decode native,graph]
            [--out bench/out/tick_profile.json]
            [--plot docs/img/tick_profile.png]
 
@@ -24,10 +25,17 @@ scheduling, bookkeeping). The profiled ops' top entries are recorded as the prof
 what remains. The profiler's own cost lands in the profiled ticks only, never in the
 timed split. `--inductor NAME=VALUE,...` sets torch._inductor.config fields before the
 model compiles (to try a setting; the worker sets none of them).
+
+`--decode native,graph` measures both ways of running a whole decode tick on the same
+engine, in turn within every round (so both see the same contexts and the same host):
+the native C++ stack (model/native_decode.py, the worker's default where it serves the
+model) and the compiled decode graph (model/decode_graph.py); each is reported as
+"B native" and "B graph".
 """
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections import defaultdict
@@ -60,6 +68,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--inductor", default="", help="torch._inductor.config NAME=VALUE,...")
     p.add_argument("--quant", default=None, choices=["int8", "int4"], help="as the worker's")
+    p.add_argument(
+        "--decode",
+        default="",
+        help="native,graph: what runs whole decode ticks, each in turn within every round "
+        "(the native C++ stack and the compiled decode graph); default: what the worker picks",
+    )
     outputs(p, "tick_profile")
     args = p.parse_args()
     machine = machine_info()
@@ -80,9 +94,20 @@ def main() -> None:
     from tokenfleet.worker.engine import Engine
     from tokenfleet.worker.main import engine_config, torch_model
 
+    variants = [v for v in args.decode.split(",") if v] or ["worker"]
+    if "graph" in variants:  # the worker compiles (and warms) the graph, not the stack
+        os.environ["TOKENFLEET_NATIVE_DECODE"] = "0"
     settings = WorkerSettings(model=MODEL, threads=args.threads, quant=args.quant)
     loaded, info, _ = torch_model(settings)
     model: Any = loaded.model
+    units: dict[str, Any] = {"worker": model.decode_graph}
+    if "graph" in variants:
+        from tokenfleet.model.native_decode import NativeDecode
+
+        units["graph"] = model.decode_graph
+        units["native"] = NativeDecode(model, narrow=model.narrow is not None)
+    elif "native" in variants:
+        units["native"] = model.decode_graph
     forward_s: list[float] = []
     plain_forward = model.forward
 
@@ -98,7 +123,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     for batch in [int(b) for b in args.batches.split(",")]:
         engine = Engine(loaded, engine_config(settings))
-        new = 64 + args.rounds * 2 * args.ticks
+        new = 64 + (args.rounds * 2 * args.ticks + 3) * len(variants)
         for _ in range(batch):
             job = random_request(f"tick-{rng.getrandbits(48):x}", 32, new, rng)
             greedy = job.model_copy(update={"sampling": SamplingParams(temperature=0.0)})
@@ -110,48 +135,38 @@ def main() -> None:
                 break
         for _ in range(5):  # warm (the decode graph's shape for this batch)
             engine.step()
-        tick_ms: list[float] = []
-        fwd_ms: list[float] = []
-        ops: dict[str, list[float]] = defaultdict(list)
-        for _ in range(args.rounds):
-            forward_s.clear()
-            t0 = time.perf_counter()
-            for _ in range(args.ticks):
+        for name in variants:  # each variant's graph warm for this batch
+            model.decode_graph = units[name]
+            for _ in range(3):
                 engine.step()
-            tick_ms.append(1000 * (time.perf_counter() - t0) / args.ticks)
-            fwd_ms.append(1000 * sum(forward_s) / args.ticks)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+        tick_ms: dict[str, list[float]] = defaultdict(list)
+        fwd_ms: dict[str, list[float]] = defaultdict(list)
+        ops: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in variants}
+        for _ in range(args.rounds):
+            for name in variants:  # interleaved: each round runs every variant in turn
+                model.decode_graph = units[name]
+                forward_s.clear()
+                t0 = time.perf_counter()
                 for _ in range(args.ticks):
                     engine.step()
-            totals: dict[str, float] = defaultdict(float)
-            for event in prof.key_averages():
-                totals[event.key] += event.self_cpu_time_total / 1000 / args.ticks
-            for key, value in totals.items():
-                ops[key].append(value)
-        median_ops = {k: spread(v)["median"] for k, v in ops.items() if len(v) == args.rounds}
-        matmul = sum(median_ops.get(k, 0.0) for k in MATMULS)
-        tick, fwd = spread(tick_ms), spread(fwd_ms)
-        top = sorted(median_ops.items(), key=lambda kv: -kv[1])[:20]
-        results[str(batch)] = {
-            "tick_ms": tick,
-            "forward_ms": fwd,
-            "matmul_ms": matmul,
-            "outside_matmuls_ms": fwd["median"] - matmul,
-            "outside_forward_ms": tick["median"] - fwd["median"],
-            "profile_ms_per_tick": dict(top),
-        }
-        print(
-            f"batch {batch}: tick {tick['median']:.2f} ms ({tick['min']:.2f}-{tick['max']:.2f}),"
-            f" forward {fwd['median']:.2f}, matmuls {matmul:.2f},"
-            f" outside the matmuls {fwd['median'] - matmul:.2f},"
-            f" outside the forward {tick['median'] - fwd['median']:.2f}",
-            flush=True,
-        )
-        for name, value in top[:12]:
-            print(f"    {value:7.3f} ms  {name}")
+                tick_ms[name].append(1000 * (time.perf_counter() - t0) / args.ticks)
+                fwd_ms[name].append(1000 * sum(forward_s) / args.ticks)
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(args.ticks):
+                        engine.step()
+                totals: dict[str, float] = defaultdict(float)
+                for event in prof.key_averages():
+                    totals[event.key] += event.self_cpu_time_total / 1000 / args.ticks
+                for key, value in totals.items():
+                    ops[name][key].append(value)
+        for name in variants:
+            label = str(batch) if variants == ["worker"] else f"{batch} {name}"
+            results[label] = _split(tick_ms[name], fwd_ms[name], ops[name], args.rounds)
+            _show(f"batch {label}", results[label])
         del engine
     report = {
         "model": MODEL,
+        "decode": variants,
         "threads": args.threads,
         "ticks": args.ticks,
         "rounds": args.rounds,
@@ -176,6 +191,38 @@ def main() -> None:
         start = f"--quant {args.quant}" if args.quant else "default start"
         ax.set_title(f"{MODEL}, {start}, {args.threads} threads")
         ax.legend(fontsize=8)
+
+
+def _split(
+    tick_ms: list[float], fwd_ms: list[float], ops: dict[str, list[float]], rounds: int
+) -> dict[str, Any]:
+    """One variant's rounds: the tick split into the matmuls, the rest of the forward and
+    what is outside the forward, with the profile's top ops."""
+    median_ops = {k: spread(v)["median"] for k, v in ops.items() if len(v) == rounds}
+    matmul = sum(median_ops.get(k, 0.0) for k in MATMULS)
+    tick, fwd = spread(tick_ms), spread(fwd_ms)
+    top = sorted(median_ops.items(), key=lambda kv: -kv[1])[:20]
+    return {
+        "tick_ms": tick,
+        "forward_ms": fwd,
+        "matmul_ms": matmul,
+        "outside_matmuls_ms": fwd["median"] - matmul,
+        "outside_forward_ms": tick["median"] - fwd["median"],
+        "profile_ms_per_tick": dict(top),
+    }
+
+
+def _show(label: str, r: dict[str, Any]) -> None:
+    tick, fwd, matmul = r["tick_ms"], r["forward_ms"], r["matmul_ms"]
+    print(
+        f"{label}: tick {tick['median']:.2f} ms ({tick['min']:.2f}-{tick['max']:.2f}),"
+        f" forward {fwd['median']:.2f}, matmuls {matmul:.2f},"
+        f" outside the matmuls {fwd['median'] - matmul:.2f},"
+        f" outside the forward {tick['median'] - fwd['median']:.2f}",
+        flush=True,
+    )
+    for name, value in list(r["profile_ms_per_tick"].items())[:12]:
+        print(f"    {value:7.3f} ms  {name}")
 
 
 if __name__ == "__main__":

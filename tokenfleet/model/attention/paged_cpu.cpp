@@ -636,6 +636,29 @@ inline void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, i
   }
 }
 
+#ifdef TOKENFLEET_BF16_DOT
+// e^x for 16 floats: x = n ln2 + r (|r| <= ln2 / 2), e^r by its degree-6 Taylor
+// polynomial (relative error below 2e-7, far inside bf16's rounding), times 2^n by
+// vscalefps. About a third of glibc's vector expf's time: the SiLU of an 8-row tick's
+// MLP was a tenth of the stack's own time with it.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2, split in two
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 e = _mm512_set1_ps(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(e, n);
+}
+
+inline __m512 round16(__m512 x) {  // to bf16 and back (nearest even)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+#endif
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   // weights: per layer [attn norm, qkv, qkv scales, o, o scales, mlp norm, gate_up,
@@ -709,6 +732,14 @@ class DecodeStack : public torch::CustomClassHolder {
       const bool sliding = windows_[l] > 0;
       const uint16_t* c = bits(sliding ? wcos : cos);
       const uint16_t* s = bits(sliding ? wsin : sin);
+      for (int64_t b = 0; b < B; ++b) {  // the rows this layer's K/V go to, for writing
+        const char* kd = reinterpret_cast<const char*>(kp + (l * S + sp[b]) * row);
+        const char* vd = reinterpret_cast<const char*>(vp + (l * S + sp[b]) * row);
+        for (int64_t at = 0; at < row * 2; at += 64) {
+          __builtin_prefetch(kd + at, 1, 3);
+          __builtin_prefetch(vd + at, 1, 3);
+        }
+      }
 
       for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(w[0]), hidden_, eps_, ns + b * hidden_);
       auto qkv = linear(normed, w[1], w[2], kind[0], qn + 2 * row);
@@ -769,8 +800,17 @@ class DecodeStack : public torch::CustomClassHolder {
         out[i] = to_bf(a * bf(up[i]));
       }
     } else {  // F.silu
-#pragma omp simd
-      for (int64_t i = 0; i < inter_; ++i) {
+      int64_t i = 0;
+#ifdef TOKENFLEET_BF16_DOT
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= inter_; i += 16) {
+        const __m512 g = widen16(gate + i);
+        const __m512 a = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, widen16(up + i)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), h);
+      }
+#endif
+      for (; i < inter_; ++i) {
         const float g = bf(gate[i]);
         out[i] = to_bf(round_bf(g / (1.0f + expf(-g))) * bf(up[i]));
       }
