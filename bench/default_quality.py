@@ -12,10 +12,12 @@ Three ways to score:
                  compiled), each window as a prefill: the dense bf16 weights serve it;
   plan, decode   the same model fed the scored half one token per tick, as generation
                  feeds it: one-row decode ticks, the plan's narrow weights (int4 from the
-                 file's own blocks where it chose them) and its decode graph.
+                 file's own blocks where it chose them) and what runs its decode ticks
+                 (the native stack, or the compiled decode graph: `decode_path`).
 With --int8, also `--quant int8`'s model (eager) scored the decode way twice: int8
 calls on tokenfleet's int8 x int8 kernel (activations quantized per block of 32, where
-the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations); and
+the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations), and
+the first once more on the native decode stack, as a `--quant int8` worker decodes; and
 the prefill way as the engine prefills (`int8_prefill_vnni`): the first half as one
 chunk of 256 rows, the scored half as the next (255 rows). Calls of more than
 quant.PACKED_MAX_ROWS rows run the weights dequantized to bf16, so this scores that path
@@ -42,6 +44,8 @@ from tokenfleet.model.build import LoadedModel
 from tokenfleet.model.compiled import compile_model
 from tokenfleet.model.kv_pool import KVPool
 from tokenfleet.model.llama import LlamaModel
+from tokenfleet.model.native_decode import NativeDecode
+from tokenfleet.model.native_decode import unsupported as native_unsupported
 from tokenfleet.model.smollm2 import PRESET
 from tokenfleet.model.tick_inputs import SeqInput
 
@@ -144,6 +148,8 @@ def main() -> None:
     if plan.compile:
         compile_model(loaded.model, decode_graph=plan.decode_graph)
     results["plan"] = plan.as_fields()
+    unit = loaded.model.decode_graph  # what runs the decode ticks below
+    results["decode_path"] = None if unit is None else type(unit).__name__
     results["plan_prefill"] = our_perplexity(loaded, tokens, CTX, None, bos)
     print(f"plan, prefill: {results['plan_prefill']['ppl']:.4f}", flush=True)
     # decode scoring stops one position short of our_perplexity's last; fp32 the same way
@@ -163,6 +169,13 @@ def main() -> None:
             results[name] = decode_perplexity(int8, tokens, bos)
             print(f"{name}: {results[name]['ppl']:.4f}", flush=True)
             compared.append((name, "fp32_decode"))
+            if on and native_unsupported(int8.model, False) is None:
+                # as a `--quant int8` worker decodes: the native stack (its own op order)
+                int8.model.decode_graph = NativeDecode(int8.model, narrow=False)
+                results["int8_decode_native"] = decode_perplexity(int8, tokens, bos)
+                print(f"int8_decode_native: {results['int8_decode_native']['ppl']:.4f}", flush=True)
+                compared.append(("int8_decode_native", "fp32_decode"))
+                int8.model.decode_graph = None
             if on:
                 results["int8_prefill_vnni"] = chunked_perplexity(int8, tokens, bos)
                 print(f"int8_prefill_vnni: {results['int8_prefill_vnni']['ppl']:.4f}", flush=True)

@@ -349,6 +349,14 @@ def test_smollm2_default_start_serves_what_fp32_would_pick(redis_url: str) -> No
     assert info["dtype"] == ("bfloat16" if cpu_has_bf16() else "float32"), info
     assert engine["compile"] and {"dense", "int8", "int4"} <= set(engine["probe_ms"]), engine
     assert info["compile_mode"] == "default", info  # compiled, or failed by name
+    # whole decode ticks on the native stack where the packed kernels build (the plan's
+    # narrow weights in their 16-row layouts), else the compiled graph, saying why
+    if not paged_cpu.load():
+        assert info["decode_path"] is None, info
+    elif info["dtype"] == "bfloat16" and torch.ops.tokenfleet.int8_vnni():
+        assert info["decode_path"] == "native", info
+    else:
+        assert str(info["decode_path"]).startswith("compiled ("), info
     if engine["narrow"] is not None:
         assert worker.engine.runner.spec.weight_bytes > 250e6  # both sets counted
     producer = Producer.from_url(redis_url, prefix="ep2:")
