@@ -212,3 +212,14 @@ def test_a_slot_outside_the_pool_is_refused_by_name(checkpoint: str) -> None:
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         stack.forward([1], [SeqInput([pool.num_blocks + 5], 3, 1)], pool)
     assert torch.equal(pool.k, before)
+
+
+@needs_kernel
+def test_weights_of_the_wrong_shape_are_refused_when_bound(checkpoint: str) -> None:
+    """The stack checks what its loops read without bounds: a norm weight of the wrong
+    length fails the binding by name, before any tick."""
+    model = _tiny(checkpoint, "dense")
+    model.blocks[1].post_attention_layernorm.weight.data = torch.ones(7, dtype=torch.bfloat16)
+    model._layer_weights = None  # gathered again from the modules
+    with pytest.raises(RuntimeError, match="norm weights"):
+        NativeDecode(model, narrow=False)

@@ -678,6 +678,13 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const auto& t : w_)
       TORCH_CHECK(t.numel() == 0 || t.is_contiguous(), "DecodeStack: weights must be contiguous");
     for (int64_t k : kinds_) TORCH_CHECK(k >= 0 && k <= 2, "DecodeStack: unknown weight kind");
+    auto norm_ok = [&](const at::Tensor& t) {  // the loops read `hidden` bf16 values
+      return t.scalar_type() == at::kBFloat16 && t.numel() == hidden_;
+    };
+    TORCH_CHECK(norm_ok(final_norm_), "DecodeStack: norm weights [hidden] bf16");
+    for (int64_t l = 0; l < L; ++l)
+      TORCH_CHECK(norm_ok(w_[10 * l]) && norm_ok(w_[10 * l + 5]),
+                  "DecodeStack: norm weights [hidden] bf16");
 #ifndef TOKENFLEET_VNNI
     for (int64_t k : kinds_) TORCH_CHECK(k == 0, "DecodeStack: packed weights need AVX512-VNNI");
 #endif
