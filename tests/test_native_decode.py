@@ -203,7 +203,7 @@ def test_compiling_picks_the_stack_unless_told_not_to(
 
 
 @needs_kernel
-def test_a_slot_outside_the_pool_is_refused_by_name(checkpoint: str) -> None:
+def test_slots_and_blocks_outside_the_pool_are_refused_by_name(checkpoint: str) -> None:
     """A bad block table fails the call with a named error; nothing is written."""
     model = _tiny(checkpoint, "dense")
     stack = NativeDecode(model, narrow=False)
@@ -211,6 +211,9 @@ def test_a_slot_outside_the_pool_is_refused_by_name(checkpoint: str) -> None:
     before = pool.k.clone()
     with pytest.raises(RuntimeError, match="slot out of the pool"):
         stack.forward([1], [SeqInput([pool.num_blocks + 5], 3, 1)], pool)
+    # a context block outside the pool (the new token's own block inside it)
+    with pytest.raises(RuntimeError, match="block out of the pool"):
+        stack.forward([1], [SeqInput([pool.num_blocks + 5, 0], 4, 1)], pool)
     assert torch.equal(pool.k, before)
 
 

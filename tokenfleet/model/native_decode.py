@@ -3,8 +3,8 @@
 The compiled decode graph (`decode_graph.py`) turns a tick into ~290 calls from
 generated code: a fused loop per norm, rope or activation, each int4 / int8 / attention
 kernel through the dispatcher with its output buffer, dynamo's guards around it all. On
-SmolLM2 that is 0.6 ms of a one-row tick and 1.2 ms of an eight-row one that are neither
-matmul nor attention (bench/tick_profile.py, EPYC Zen 4). `DecodeStack`
+SmolLM2 that is 0.6-0.8 ms of a one-row tick and 1.2-1.55 ms of an eight-row one that
+are neither matmul nor attention (bench/tick_profile.py, EPYC Zen 4). `DecodeStack`
 (`attention/paged_cpu.cpp`) runs the same layers as one loop in C++: the pointwise work
 in plain loops on the calling thread, the matmul and paged-attention kernels called
 directly, each layer's new K/V written straight into the pool before its attention reads

@@ -285,6 +285,25 @@ void decode_attention_impl(
   });
 }
 
+// decode_attention_impl for q's head size: a compile-time constant for the common ones
+template <typename T>
+void decode_attention_for(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                          const c10::optional<at::Tensor>& k_new,
+                          const c10::optional<at::Tensor>& v_new, const at::Tensor& tables,
+                          const at::Tensor& past, int64_t layer, int64_t block_size,
+                          int64_t window, at::Tensor& out) {
+  auto run = [&](auto hd) {
+    decode_attention_impl<T, decltype(hd)::value>(q, k_pool, v_pool, k_new, v_new, tables, past,
+                                                  layer, block_size, window, out);
+  };
+  switch (q.size(2)) {
+    case 64: run(std::integral_constant<int64_t, 64>{}); break;
+    case 128: run(std::integral_constant<int64_t, 128>{}); break;
+    case 256: run(std::integral_constant<int64_t, 256>{}); break;
+    default: run(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 at::Tensor decode_attention(
     const at::Tensor& q,
     const at::Tensor& k_pool,
@@ -313,17 +332,9 @@ at::Tensor decode_attention(
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
-                                    auto run = [&](auto hd) {
-                                      decode_attention_impl<scalar_t, decltype(hd)::value>(
-                                          qc, k_pool, v_pool, kc, vc, tc, pc, layer, block_size,
-                                          window, out);
-                                    };
-                                    switch (q.size(2)) {
-                                      case 64: run(std::integral_constant<int64_t, 64>{}); break;
-                                      case 128: run(std::integral_constant<int64_t, 128>{}); break;
-                                      case 256: run(std::integral_constant<int64_t, 256>{}); break;
-                                      default: run(std::integral_constant<int64_t, 0>{});
-                                    }
+                                    decode_attention_for<scalar_t>(qc, k_pool, v_pool, kc, vc,
+                                                                   tc, pc, layer, block_size,
+                                                                   window, out);
                                   });
   return out;
 }
@@ -715,6 +726,11 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t S = k_pool.size(1), row = KVH_ * hd_, qn = H_ * hd_;
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "DecodeStack.run: slot out of the pool");
+    auto tab = tables.to(at::kInt).contiguous();  // attention reads each context through it
+    const int32_t* tp = tab.data_ptr<int32_t>();
+    const int64_t blocks = S / block_size;
+    for (int64_t i = 0; i < tab.numel(); ++i)
+      TORCH_CHECK(tp[i] >= 0 && tp[i] < blocks, "DecodeStack.run: block out of the pool");
 
     RECORD_FUNCTION("tokenfleet::DecodeStack.run", std::vector<c10::IValue>());
     auto h = x.clone();  // the residual stream, updated in place
@@ -728,7 +744,6 @@ class DecodeStack : public torch::CustomClassHolder {
     auto as = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
     auto kp = reinterpret_cast<uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
     auto vp = reinterpret_cast<uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
-    auto tab = tables.to(at::kInt).contiguous();
     auto bits = [](const at::Tensor& t) {
       return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
     };
@@ -829,12 +844,8 @@ class DecodeStack : public torch::CustomClassHolder {
                  int64_t block_size, int64_t window, at::Tensor& out) const {
     RECORD_FUNCTION("tokenfleet::decode_attention", std::vector<c10::IValue>());
     const c10::optional<at::Tensor> none;
-    switch (hd_) {
-      case 64: decode_attention_impl<c10::BFloat16, 64>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
-      case 128: decode_attention_impl<c10::BFloat16, 128>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
-      case 256: decode_attention_impl<c10::BFloat16, 256>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out); break;
-      default: decode_attention_impl<c10::BFloat16, 0>(q, k_pool, v_pool, none, none, tables, past, layer, block_size, window, out);
-    }
+    decode_attention_for<c10::BFloat16>(q, k_pool, v_pool, none, none, tables, past, layer,
+                                        block_size, window, out);
   }
 
   std::vector<at::Tensor> w_;
