@@ -160,6 +160,33 @@ def test_narrow_ticks_run_the_packed_weights_and_wide_ones_the_dense() -> None:
     assert both.narrow is not None and both.narrow.max_rows == 3
 
 
+def test_a_model_with_biases_gets_narrow_weights_its_biases_dense(tmp_path: Path) -> None:
+    """Qwen2's q/k/v projections have biases. A default start of such a model past the
+    size floor used to fail at `add_narrow` ("has a bias"); the narrow set now keeps each
+    bias dense, added after the packed matmul: its decode ticks give exactly what the
+    model quantized the same way (`QuantLinear`, bias dense) gives, and the biases
+    count (zeroed, the ticks differ)."""
+    from tests.helpers.models import make_hf_llama, save_hf_llama
+
+    hf = make_hf_llama(family="qwen2", hidden_size=128, intermediate_size=256)
+    path = str(save_hf_llama(hf, tmp_path / "qwen2"))
+    both = load_model(path, dtype="bfloat16", device="cpu").model
+    packed = copy.deepcopy(both)
+    both.add_narrow("int8", 3)
+    packed.quantize("int8")
+    context = both.new_kv_pool(64, 4)
+    for r in range(3):
+        both.forward(list(range(1, 9)), [SeqInput([4 * r, 4 * r + 1, 4 * r + 2], 0, 8)], context)
+    narrow = both.forward([3] * 3, _decodes(3, 8), copy.deepcopy(context))
+    assert torch.equal(narrow, packed.forward([3] * 3, _decodes(3, 8), copy.deepcopy(context)))
+    attn_w, _ = both.layer_weights(narrow=True)[0]
+    assert attn_w.qkv_bias is not None
+    with torch.no_grad():
+        attn_w.qkv_bias.zero_()
+    unbiased = both.forward([3] * 3, _decodes(3, 8), copy.deepcopy(context))
+    assert not torch.equal(narrow, unbiased)
+
+
 def test_a_float32_model_keeps_narrow_weights_too() -> None:
     """A CPU without bf16 serves float32, and decode ticks can still read packed weights:
     their activations rounded to bf16 for the packed kernels (their fast path), the

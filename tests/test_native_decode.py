@@ -1,7 +1,7 @@
 """The native decode stack (tokenfleet/model/native_decode.py, `DecodeStack` in
 attention/paged_cpu.cpp): whole decode ticks in one C++ call, against the eager forward
-it copies op by op, for every weight kind it runs; the models it does not serve keep
-the compiled decode graph, and the worker's hash says which runs."""
+it copies op by op, for every weight kind it runs and every family's layers; the models
+it does not serve keep the compiled decode graph, and the worker's hash says which runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.models import make_hf_llama, save_hf_llama
+from tests.helpers.models import REFERENCE_CONFIGS, make_hf_llama, save_hf_llama
 from tokenfleet.model import load_model
 from tokenfleet.model.attention import paged_cpu
 from tokenfleet.model.compiled import compile_model
@@ -81,14 +81,20 @@ def test_the_stack_follows_the_eager_forward_step_by_step(
     norm's sum (a last bf16 bit now and then); the same greedy tokens; the same K/V in
     the pool."""
     monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")  # eager attends with the kernel
-    model = _tiny(checkpoint, weights)
-    narrow = weights in ("int8", "int4")
+    _follows_eager(_tiny(checkpoint, weights), narrow=weights in ("int8", "int4"))
+
+
+def _follows_eager(model: LlamaModel, narrow: bool) -> None:
+    """Three rows decoded greedily for 14 steps (positions 5..18: across block edges,
+    past an 8-token window) by the stack and by the eager forward, each on its own copy
+    of one pool: the same logits up to a last bf16 bit now and then, the same greedy
+    tokens, the same K/V."""
     stack = NativeDecode(model, narrow=narrow)
     pool, tables = _prefill(model, 3, 5)
     eager_pool = copy.deepcopy(pool)
     fed = [[11], [12], [13]]
     agree = 0
-    for step in range(14):  # positions 5..18: four blocks
+    for step in range(14):
         seqs = [SeqInput(tables[r], 5 + step, 1) for r in range(3)]
         assert stack.serves(seqs, model.is_narrow(3, seqs))
         ids = [f[-1] for f in fed]
@@ -100,8 +106,18 @@ def test_the_stack_follows_the_eager_forward_step_by_step(
         for r in range(3):
             fed[r].append(int(want[r].argmax()))
     assert agree >= 40  # of 42: a near tie may go either way
-    torch.testing.assert_close(pool.k.float(), eager_pool.k.float(), atol=0.02, rtol=0.02)
-    torch.testing.assert_close(pool.v.float(), eager_pool.v.float(), atol=0.02, rtol=0.02)
+    for got_kv, want_kv in ((pool.k, eager_pool.k), (pool.v, eager_pool.v)):
+        _mostly_close(got_kv.float(), want_kv.float())
+
+
+def _mostly_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """K/V written by the stack and by the eager forward: within 0.02 but for a few
+    values (at most 0.5%, none past 0.1). Where a matmul quantizes its activations to
+    int8 (the packed kernels), a last-bit difference upstream (a norm's sum order) can
+    move one activation a quantization step, and that step shows in the values after."""
+    off = (got - want).abs() > 0.02 + 0.02 * want.abs()
+    assert float(off.float().mean()) <= 0.005, f"{int(off.sum())} of {off.numel()} values differ"
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
 
 
 @needs_vnni
@@ -152,24 +168,65 @@ def test_sliding_window_layers_attend_within_their_window(
         assert (got - unwindowed).abs().max() > 0.1
 
 
-@pytest.mark.parametrize(
-    ("family", "why"),
-    [("qwen2", "projection biases"), ("qwen3", "q/k norms"), ("gemma3", "Gemma")],
-)
-def test_models_it_does_not_serve_keep_the_compiled_graph(
-    family: str, why: str, tmp_path: Path
-) -> None:
-    """Biases, q/k norms and Gemma's norms are not in the stack: it says so by name, and
-    compiling such a model gives it the decode graph (on a CPU where the kernel builds)."""
-    extra = {"head_dim": 32} if family != "qwen2" else {}
-    hf = make_hf_llama(
-        family=family, hidden_size=64, num_attention_heads=2, num_key_value_heads=1, **extra
+# Families whose layers add to Llama's, in the reference tests' shapes (dims multiples
+# of 32, so the 16-row layouts hold every matrix): Qwen2's q/k/v biases, Qwen3's q/k
+# norms, Gemma 3's float32-scaled norms (q/k, and after attention and the MLP), query
+# scale apart from head_dim, GeGLU, and windows of 8 with their own rope base.
+_FAMILIES = {
+    family: {**REFERENCE_CONFIGS[shape], "intermediate_size": 256}
+    for family, shape in (
+        ("qwen2", "qwen2-gqa"),
+        ("qwen3", "qwen3-gqa"),
+        ("gemma3", "gemma3-window"),
     )
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "weights",
+    ["dense", pytest.param("int4", marks=needs_vnni), pytest.param("int8", marks=needs_vnni)],
+)
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_the_stack_serves_every_family(
+    family: str, weights: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Biases, q/k norms and Gemma 3's norms, query scale and windows run in the stack:
+    it takes the model and follows its eager forward step by step."""
+    monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")
+    hf = make_hf_llama(**_FAMILIES[family])
     model = load_model(str(save_hf_llama(hf, tmp_path / "m")), dtype="bfloat16", device="cpu").model
-    reason = unsupported(model, False)
-    assert reason is not None and why in reason
-    with pytest.raises(ValueError, match="cannot serve"):
-        NativeDecode(model, narrow=False)
+    narrow = weights != "dense"
+    if narrow:
+        model.add_narrow(weights, 4)
+    assert unsupported(model, narrow) is None
+    _follows_eager(model, narrow)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", sorted(_FAMILIES))
+def test_without_each_familys_extra_the_stack_differs(family: str, tmp_path: Path) -> None:
+    """The extras are used, not skipped: the stack on the family's model and on the
+    same weights without its extra (biases zeroed, q/k norms dropped, Gemma's query
+    scale set to 1) give different logits."""
+    hf = make_hf_llama(**_FAMILIES[family])
+    model = load_model(str(save_hf_llama(hf, tmp_path / "m")), dtype="bfloat16", device="cpu").model
+    pool, tables = _prefill(model, 1, 6)
+    seqs = [SeqInput(tables[0], 6, 1)]
+    full = NativeDecode(model, narrow=False).forward([3], seqs, copy.deepcopy(pool))
+    attn_w, _ = model.layer_weights(False)[0]
+    if family == "qwen2":
+        assert attn_w.qkv_bias is not None
+        with torch.no_grad():
+            attn_w.qkv_bias.zero_()
+    elif family == "qwen3":
+        assert attn_w.q_norm is not None
+        with torch.no_grad():
+            attn_w.q_norm.fill_(1.0)
+    else:
+        model.shape = dataclasses.replace(model.shape, query_scale=1.0)
+    cut = NativeDecode(model, narrow=False).forward([3], seqs, copy.deepcopy(pool))
+    assert (full - cut).abs().max() > 0.01
 
 
 def test_a_float32_model_is_not_served() -> None:

@@ -223,7 +223,8 @@ class LlamaModel(nn.Module):
         """Keep a packed copy of every projection and the LM head (`kind`; `prepacked` by
         module name, e.g. a GGUF file's own Q4 blocks, used as they are) beside the dense
         weights, for decode ticks of at most `max_rows` rows (`is_narrow`), the head for
-        up to `head_rows` of them (default: as many)."""
+        up to `head_rows` of them (default: as many). Biases (Qwen2's q/k/v) stay dense,
+        added after the packed matmul, as `QuantLinear` keeps them."""
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise QuantError(f"{kind} weights go beside bfloat16 or float32 ones, not {self.dtype}")
         if self.compiled is not None or self.decode_graph is not None:
@@ -235,8 +236,6 @@ class LlamaModel(nn.Module):
             linear = self.get_submodule(name)
             if isinstance(linear, QuantLinear):
                 raise QuantError(f"{name} is quantized already: no dense set to keep beside")
-            if getattr(linear, "bias", None) is not None:
-                raise QuantError(f"{name} has a bias: the narrow set holds plain matrices")
             # the head as `quantize` keeps it, int8: the most sensitive matrix
             as_kind: QuantKind = "int8" if name == "lm_head" else kind
             weight = linear.weight

@@ -10,12 +10,15 @@ in plain loops on the calling thread, the matmul and paged-attention kernels cal
 directly, each layer's new K/V written straight into the pool before its attention reads
 it. The weights are bound once, when the stack is built.
 
-It serves what a decode tick of a plain Llama-shaped bf16 model needs (SmolLM2, Llama,
-Mistral, the models without biases, q/k norms or Gemma's extra norms) with dense bf16,
-int8 or int4 weights in tokenfleet's 16-row layouts; `unsupported()` says why not for
-any other model, which keeps the compiled decode graph. Its arithmetic is the eager
-forward's op by op (`layers.py`: float32 inside an op, bf16 between ops), so nothing is
-compiled for it: the worker starts without the decode graph's minutes of compiling.
+It serves the decode ticks of every family tokenfleet loads (Llama / SmolLM2, Mistral,
+Qwen2's projection biases, Qwen3's q/k norms, Gemma 3's float32-scaled norms, output
+norms, query scale, GeGLU and sliding-window layers) for a bf16 model on the CPU, with
+dense bf16, int8 or int4 weights in tokenfleet's 16-row layouts; `unsupported()` says
+why not for any other (a float32 model, weights in torch's packed layout, the
+deterministic mode's row tiles), which keeps the compiled decode graph. Its arithmetic
+is the eager forward's op by op (`layers.py`: float32 inside an op, bf16 between ops),
+so nothing is compiled for it: the worker starts without the decode graph's minutes of
+compiling.
 """
 
 from __future__ import annotations
@@ -57,18 +60,9 @@ def unsupported(model: LlamaModel, narrow: bool) -> str | None:
         return f"a bfloat16 model on the CPU only (this one: {model.dtype} on {model.device})"
     if shape.row_tile or shape.min_rows or shape.one_kernel:
         return "deterministic row tiles run eagerly"
-    if shape.scale_fp32 or shape.query_scale != 1.0:
-        return "Gemma's norms and query scale"
     if not paged_cpu.load():
         return f"the C++ kernels did not build: {paged_cpu.failure()}"
     for attn_w, mlp_w in model.layer_weights(narrow):
-        if attn_w.q_norm is not None or attn_w.k_norm is not None:
-            return "q/k norms"
-        biases = (attn_w.qkv_bias, mlp_w.o_bias, mlp_w.gate_up_bias, mlp_w.down_bias)
-        if any(b is not None for b in biases):
-            return "projection biases"
-        if mlp_w.attn_out_norm is not None or mlp_w.mlp_out_norm is not None:
-            return "norms after attention or the MLP"
         for w in (attn_w.qkv, mlp_w.o, mlp_w.gate_up, mlp_w.down):
             kind = _kind(w)
             if isinstance(kind, str):
@@ -79,8 +73,36 @@ def unsupported(model: LlamaModel, narrow: bool) -> str | None:
 def _parts(w: Tensor | PackedWeight) -> list[Tensor]:
     """A projection as the stack takes it: its matrix and its scales (empty if dense)."""
     if isinstance(w, Tensor):
-        return [w.contiguous(), torch.empty(0)]
+        return [w.contiguous(), _NONE]
     return [w.data.contiguous(), w.scales.contiguous()]
+
+
+def _opt(t: Tensor | None) -> Tensor:
+    """An optional vector (a bias, a norm weight) as the stack takes it: empty if none."""
+    return _NONE if t is None else t.contiguous()
+
+
+_NONE = torch.empty(0)
+
+
+def _layer(attn_w: AttnWeights, mlp_w: MlpWeights) -> list[Tensor]:
+    """One layer's tensors in `DecodeStack`'s order (its constructor names them)."""
+    return [
+        attn_w.norm.contiguous(),
+        *_parts(attn_w.qkv),
+        _opt(attn_w.qkv_bias),
+        _opt(attn_w.q_norm),
+        _opt(attn_w.k_norm),
+        *_parts(mlp_w.o),
+        _opt(mlp_w.o_bias),
+        _opt(mlp_w.attn_out_norm),
+        mlp_w.norm.contiguous(),
+        *_parts(mlp_w.gate_up),
+        _opt(mlp_w.gate_up_bias),
+        *_parts(mlp_w.down),
+        _opt(mlp_w.down_bias),
+        _opt(mlp_w.mlp_out_norm),
+    ]
 
 
 class NativeDecode:
@@ -95,8 +117,7 @@ class NativeDecode:
         kinds: list[int] = []
         for attn_w, mlp_w in model.layer_weights(narrow):
             assert isinstance(attn_w, AttnWeights) and isinstance(mlp_w, MlpWeights)
-            weights += [attn_w.norm.contiguous(), *_parts(attn_w.qkv), *_parts(mlp_w.o)]
-            weights += [mlp_w.norm.contiguous(), *_parts(mlp_w.gate_up), *_parts(mlp_w.down)]
+            weights += _layer(attn_w, mlp_w)
             kinds += [int(_kind(w)) for w in (attn_w.qkv, mlp_w.o, mlp_w.gate_up, mlp_w.down)]
         windows = [cfg.window_of(i) or 0 for i in range(cfg.num_layers)]
         s = model.shape
@@ -114,6 +135,8 @@ class NativeDecode:
             s.intermediate_size,
             float(s.eps),
             s.gelu,
+            s.scale_fp32,
+            float(s.query_scale),
         )
 
     def serves(self, seqs: Sequence[SeqInput], narrow: bool) -> bool:

@@ -624,15 +624,22 @@ inline uint16_t to_bf(float f) {  // float -> bf16 bits, nearest even (finite va
 
 inline float round_bf(float f) { return bf(to_bf(f)); }
 
-// out = w * (x / rms(x)).to(bf16), one row of n values: layers.rms_norm
+// One row of n values normalised, as layers.rms_norm: out = w * (x / rms(x)).to(bf16)
+// (Llama), or with `fp32_scale` (Gemma) (x / rms(x) * w) in float32 before rounding.
+// In place (out == x) is fine: each value is read before it is written.
 inline void rms_norm_row(const uint16_t* x, const uint16_t* w, int64_t n, float eps,
-                         uint16_t* out) {
+                         bool fp32_scale, uint16_t* out) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += bf(x[i]) * bf(x[i]);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if (fp32_scale) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * round_bf(bf(x[i]) * r));
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(x[i]) * r * bf(w[i]));
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * round_bf(bf(x[i]) * r));
+  }
 }
 
 // layers.rotate on one head of hd values: x * cos + rotate_half(x) * sin
@@ -672,30 +679,56 @@ inline __m512 round16(__m512 x) {  // to bf16 and back (nearest even)
 
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // weights: per layer [attn norm, qkv, qkv scales, o, o scales, mlp norm, gate_up,
-  // gate_up scales, down, down scales]; kinds: per layer and projection (qkv, o, gate_up,
-  // down) 0 dense bf16 [N, K] (its scales an empty tensor), 1 int8 rows16, 2 int4 rows16.
+  // Per layer, kPerLayer tensors (an empty tensor where the model has none): [attn norm,
+  // qkv, qkv scales, qkv bias, q norm, k norm, o, o scales, o bias, attn out norm, mlp
+  // norm, gate_up, gate_up scales, gate_up bias, down, down scales, down bias, mlp out
+  // norm]. kinds: per layer and projection (qkv, o, gate_up, down) 0 dense bf16 [N, K]
+  // (its scales empty), 1 int8 rows16, 2 int4 rows16. fp32_scale and query_scale are
+  // Gemma's (layers.rms_norm's scale_fp32, LayerShape.query_scale).
+  static constexpr int64_t kPerLayer = 18;
+  enum Slot : int64_t {
+    kAttnNorm, kQkv, kQkvScales, kQkvBias, kQNorm, kKNorm,
+    kO, kOScales, kOBias, kAttnOutNorm,
+    kMlpNorm, kGateUp, kGateUpScales, kGateUpBias, kDown, kDownScales, kDownBias, kMlpOutNorm,
+  };
+
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> kinds,
               std::vector<int64_t> windows, at::Tensor final_norm, int64_t heads,
               int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t inter, double eps,
-              bool gelu)
+              bool gelu, bool fp32_scale, double query_scale)
       : w_(std::move(weights)), kinds_(std::move(kinds)), windows_(std::move(windows)),
         final_norm_(std::move(final_norm)), H_(heads), KVH_(kv_heads), hd_(head_dim),
-        hidden_(hidden), inter_(inter), eps_(static_cast<float>(eps)), gelu_(gelu) {
+        hidden_(hidden), inter_(inter), eps_(static_cast<float>(eps)), gelu_(gelu),
+        fp32_scale_(fp32_scale), query_scale_(static_cast<float>(query_scale)) {
     const int64_t L = static_cast<int64_t>(windows_.size());
-    TORCH_CHECK(static_cast<int64_t>(w_.size()) == 10 * L && static_cast<int64_t>(kinds_.size()) == 4 * L,
-                "DecodeStack: 10 weights and 4 kinds per layer");
+    TORCH_CHECK(static_cast<int64_t>(w_.size()) == kPerLayer * L &&
+                    static_cast<int64_t>(kinds_.size()) == 4 * L,
+                "DecodeStack: 18 weights and 4 kinds per layer");
     TORCH_CHECK(hd_ % 2 == 0 && H_ % KVH_ == 0, "DecodeStack: head shapes");
     for (const auto& t : w_)
       TORCH_CHECK(t.numel() == 0 || t.is_contiguous(), "DecodeStack: weights must be contiguous");
     for (int64_t k : kinds_) TORCH_CHECK(k >= 0 && k <= 2, "DecodeStack: unknown weight kind");
-    auto norm_ok = [&](const at::Tensor& t) {  // the loops read `hidden` bf16 values
-      return t.scalar_type() == at::kBFloat16 && t.numel() == hidden_;
+    // the loops read these without bounds: bf16 vectors of the length they assume
+    auto vec_ok = [](const at::Tensor& t, int64_t n, bool optional) {
+      if (optional && t.numel() == 0) return true;
+      return t.scalar_type() == at::kBFloat16 && t.dim() == 1 && t.numel() == n;
     };
-    TORCH_CHECK(norm_ok(final_norm_), "DecodeStack: norm weights [hidden] bf16");
-    for (int64_t l = 0; l < L; ++l)
-      TORCH_CHECK(norm_ok(w_[10 * l]) && norm_ok(w_[10 * l + 5]),
+    const int64_t qkv_n = (H_ + 2 * KVH_) * hd_;
+    TORCH_CHECK(vec_ok(final_norm_, hidden_, false), "DecodeStack: norm weights [hidden] bf16");
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* w = w_.data() + kPerLayer * l;
+      TORCH_CHECK(vec_ok(w[kAttnNorm], hidden_, false) && vec_ok(w[kMlpNorm], hidden_, false) &&
+                      vec_ok(w[kAttnOutNorm], hidden_, true) &&
+                      vec_ok(w[kMlpOutNorm], hidden_, true),
                   "DecodeStack: norm weights [hidden] bf16");
+      TORCH_CHECK((w[kQNorm].numel() == 0) == (w[kKNorm].numel() == 0) &&
+                      vec_ok(w[kQNorm], hd_, true) && vec_ok(w[kKNorm], hd_, true),
+                  "DecodeStack: q/k norm weights [head_dim] bf16, both or neither");
+      TORCH_CHECK(vec_ok(w[kQkvBias], qkv_n, true) && vec_ok(w[kOBias], hidden_, true) &&
+                      vec_ok(w[kGateUpBias], 2 * inter_, true) &&
+                      vec_ok(w[kDownBias], hidden_, true),
+                  "DecodeStack: bias [out features] bf16");
+    }
 #ifndef TOKENFLEET_VNNI
     for (int64_t k : kinds_) TORCH_CHECK(k == 0, "DecodeStack: packed weights need AVX512-VNNI");
 #endif
@@ -744,16 +777,16 @@ class DecodeStack : public torch::CustomClassHolder {
     auto as = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
     auto kp = reinterpret_cast<uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
     auto vp = reinterpret_cast<uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
-    auto bits = [](const at::Tensor& t) {
-      return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
-    };
+    std::vector<uint16_t> head(hd_);  // a head between its q/k norm and its rope
 
     for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor* w = w_.data() + 10 * l;
+      const at::Tensor* w = w_.data() + kPerLayer * l;
       const int64_t* kind = kinds_.data() + 4 * l;
       const bool sliding = windows_[l] > 0;
       const uint16_t* c = bits(sliding ? wcos : cos);
       const uint16_t* s = bits(sliding ? wsin : sin);
+      const uint16_t* q_norm = w[kQNorm].numel() ? bits(w[kQNorm]) : nullptr;
+      const uint16_t* k_norm = w[kKNorm].numel() ? bits(w[kKNorm]) : nullptr;
       for (int64_t b = 0; b < B; ++b) {  // the rows this layer's K/V go to, for writing
         const char* kd = reinterpret_cast<const char*>(kp + (l * S + sp[b]) * row);
         const char* vd = reinterpret_cast<const char*>(vp + (l * S + sp[b]) * row);
@@ -763,48 +796,84 @@ class DecodeStack : public torch::CustomClassHolder {
         }
       }
 
-      for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(w[0]), hidden_, eps_, ns + b * hidden_);
-      auto qkv = linear(normed, w[1], w[2], kind[0], qn + 2 * row);
+      norm_rows(xs, w[kAttnNorm], B, ns);
+      auto qkv = linear(normed, w[kQkv], w[kQkvScales], w[kQkvBias], kind[0], qn + 2 * row);
       const uint16_t* qkvs = bits(qkv);
       const int64_t width = qn + 2 * row;
+      // q/k norm (Qwen3, Gemma 3) of one head, then its rope, into out
+      auto rotate = [&](const uint16_t* x, const uint16_t* norm, const uint16_t* cb,
+                        const uint16_t* sb, uint16_t* out) {
+        if (norm) {
+          rms_norm_row(x, norm, hd_, eps_, fp32_scale_, head.data());
+          x = head.data();
+        }
+        rope_head(x, cb, sb, hd_, out);
+      };
       for (int64_t b = 0; b < B; ++b) {
         const uint16_t* r = qkvs + b * width;
         const uint16_t* cb = c + b * hd_;
         const uint16_t* sb = s + b * hd_;
-        for (int64_t i = 0; i < H_; ++i) rope_head(r + i * hd_, cb, sb, hd_, qs + (b * H_ + i) * hd_);
+        uint16_t* qb = qs + b * qn;
+        for (int64_t i = 0; i < H_; ++i) rotate(r + i * hd_, q_norm, cb, sb, qb + i * hd_);
+        if (query_scale_ != 1.0f)  // q * query_scale, rounded (Gemma 3)
+          for (int64_t i = 0; i < qn; ++i) qb[i] = to_bf(bf(qb[i]) * query_scale_);
         const int64_t at = (l * S + sp[b]) * row;
-        for (int64_t i = 0; i < KVH_; ++i) rope_head(r + qn + i * hd_, cb, sb, hd_, kp + at + i * hd_);
+        for (int64_t i = 0; i < KVH_; ++i) rotate(r + qn + i * hd_, k_norm, cb, sb, kp + at + i * hd_);
         std::memcpy(vp + at, r + qn + row, row * 2);
       }
       auto att = at::empty_like(q);
       attention(q, k_pool, v_pool, tab, past, l, block_size, windows_[l], att);
-      auto o = linear(att.view({B, qn}), w[3], w[4], kind[1], hidden_);
-      add_into(xs, bits(o), B * hidden_);
+      auto o = linear(att.view({B, qn}), w[kO], w[kOScales], w[kOBias], kind[1], hidden_);
+      residual(xs, o, w[kAttnOutNorm], B);
 
-      for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(w[5]), hidden_, eps_, ns + b * hidden_);
-      auto gu = linear(normed, w[6], w[7], kind[2], 2 * inter_);
+      norm_rows(xs, w[kMlpNorm], B, ns);
+      auto gu = linear(normed, w[kGateUp], w[kGateUpScales], w[kGateUpBias], kind[2], 2 * inter_);
       const uint16_t* g = bits(gu);
       for (int64_t b = 0; b < B; ++b) glu_row(g + b * 2 * inter_, g + b * 2 * inter_ + inter_, as + b * inter_);
-      auto down = linear(act, w[8], w[9], kind[3], hidden_);
-      add_into(xs, bits(down), B * hidden_);
+      auto down = linear(act, w[kDown], w[kDownScales], w[kDownBias], kind[3], hidden_);
+      residual(xs, down, w[kMlpOutNorm], B);
     }
-    for (int64_t b = 0; b < B; ++b) rms_norm_row(xs + b * hidden_, bits(final_norm_), hidden_, eps_, ns + b * hidden_);
+    norm_rows(xs, final_norm_, B, ns);
     return normed;
   }
 
  private:
+  static const uint16_t* bits(const at::Tensor& t) {
+    return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+  }
+
+  void norm_rows(const uint16_t* x, const at::Tensor& w, int64_t B, uint16_t* out) const {
+    for (int64_t b = 0; b < B; ++b)
+      rms_norm_row(x + b * hidden_, bits(w), hidden_, eps_, fp32_scale_, out + b * hidden_);
+  }
+
+  // x += y, y first normalised by `norm` where the model has one (Gemma 3's norms of the
+  // attention's and the MLP's outputs)
+  void residual(uint16_t* x, at::Tensor& y, const at::Tensor& norm, int64_t B) const {
+    auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+    if (norm.numel()) norm_rows(ys, norm, B, ys);
+    add_into(x, ys, B * hidden_);
+  }
+
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                           int64_t kind, int64_t n) {
+                           const at::Tensor& bias, int64_t kind, int64_t n) {
     // named as the ops are, so a profile (bench/tick_profile.py) sees the kernels
+    at::Tensor y;
     if (kind == 1) {
       RECORD_FUNCTION("tokenfleet::int8_linear", std::vector<c10::IValue>());
-      return int8_linear(x, w, scales, n);
-    }
-    if (kind == 2) {
+      y = int8_linear(x, w, scales, n);
+    } else if (kind == 2) {
       RECORD_FUNCTION("tokenfleet::q4_linear", std::vector<c10::IValue>());
-      return q4_linear(x, w, scales, n);
+      y = q4_linear(x, w, scales, n);
+    } else {  // a dense bias goes in the matmul, as F.linear's
+      return bias.numel() ? at::linear(x, w, bias) : at::linear(x, w);
     }
-    return at::linear(x, w);
+    if (bias.numel()) {  // y + bias, rounded: layers.linear on packed weights
+      auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
+      const uint16_t* bs = bits(bias);
+      for (int64_t r = 0; r < x.size(0); ++r) add_into(ys + r * n, bs, n);
+    }
+    return y;
   }
 
   static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {  // x = x + y
@@ -853,7 +922,8 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor final_norm_;
   int64_t H_, KVH_, hd_, hidden_, inter_;
   float eps_;
-  bool gelu_;
+  bool gelu_, fp32_scale_;
+  float query_scale_;
 };
 
 bool int8_vnni() {
@@ -869,7 +939,8 @@ bool int8_vnni() {
 TORCH_LIBRARY(tokenfleet, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool>())
+                       at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
+                       bool, double>())
       .def("run", &DecodeStack::run);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
