@@ -1,10 +1,10 @@
 """How long a worker's model takes to be ready on a machine that has compiled nothing
-yet: the default start of SmolLM2-135M-Instruct (its engine plan, narrow weights,
-compiling) with inductor's on-disk cache empty, once per variant, each in a fresh
-process.
+yet: the default start of SmolLM2-135M-Instruct or another `--model` (its engine plan,
+narrow weights, compiling) with inductor's on-disk cache empty, once per variant, each
+in a fresh process.
 
 Usage: python bench/first_start.py [--variants 'native=,graph=TOKENFLEET_NATIVE_DECODE=0']
-           [--rounds 1] [--threads 2]
+           [--rounds 1] [--threads 2] [--model smollm2-135m-instruct]
            [--out bench/out/first_start.json] [--plot bench/out/first_start.png]
 
 Each variant is NAME=ENV (space-separated VAR=VALUE pairs set for that process): by
@@ -35,7 +35,7 @@ import json, sys, time
 t0 = time.perf_counter()
 from tokenfleet.config.worker import WorkerSettings
 from tokenfleet.worker.main import torch_model
-_, info, _ = torch_model(WorkerSettings(model="smollm2-135m-instruct", threads=int(sys.argv[1])))
+_, info, _ = torch_model(WorkerSettings(model=sys.argv[2], threads=int(sys.argv[1])))
 print(json.dumps({"ready_s": time.perf_counter() - t0, "compile_s": info.get("compile_s"),
                   "decode_path": info.get("decode_path")}))
 """
@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--variants", default="native=,graph=TOKENFLEET_NATIVE_DECODE=0")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a preset, file or folder")
     outputs(p, "first_start")
     args = p.parse_args()
     machine = machine_info()
@@ -60,7 +61,7 @@ def main() -> None:
                 child_env = {**os.environ, **env, "TORCHINDUCTOR_CACHE_DIR": cache}
                 t0 = time.perf_counter()
                 out = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(args.threads)],
+                    [sys.executable, "-c", CHILD, str(args.threads), args.model],
                     env=child_env,
                     capture_output=True,
                     text=True,
@@ -88,6 +89,7 @@ def main() -> None:
         {
             "variants": variants,
             "threads": args.threads,
+            "model": args.model,
             "results": results,
             "machine": mark_end(machine),
         },
@@ -98,7 +100,7 @@ def main() -> None:
     with figure(Path(args.plot), 1, 1, figsize=(2 + 1.5 * len(names), 3.5)) as ax:
         ax.bar(names, [results[n]["ready_s"]["median"] for n in names])
         ax.set_ylabel("s to a ready model, empty inductor cache")
-        ax.set_title(f"smollm2-135m-instruct default start, {args.threads} threads")
+        ax.set_title(f"{args.model} default start, {args.threads} threads")
 
 
 if __name__ == "__main__":

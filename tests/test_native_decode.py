@@ -283,3 +283,33 @@ def test_weights_of_the_wrong_shape_are_refused_when_bound(checkpoint: str) -> N
     model._layer_weights = None  # gathered again from the modules
     with pytest.raises(RuntimeError, match="norm weights"):
         NativeDecode(model, narrow=False)
+
+
+@needs_vnni
+@pytest.mark.parametrize("how", ["--no-compile", "compile failed"])
+def test_an_uncompiled_model_with_packed_weights_still_gets_the_stack(
+    how: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stack compiles nothing, so a model whose decode ticks read packed weights
+    (`--quant` here, a default start's narrow set alike) left uncompiled (asked not to,
+    or inductor failed) still decodes on it, and its hash says so; a dense model
+    without packed weights stays eager as before."""
+    import tokenfleet.model.compiled as compiled_mod
+    from tokenfleet.worker.main import _compile
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    asked = False
+    if how == "compile failed":
+        monkeypatch.setattr(compiled_mod, "compile_model", no_compiler)
+        asked = None  # not asked for: a failed compile serves eagerly
+    monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")
+    loaded = load_model(checkpoint, dtype="bfloat16", device="cpu", quant="int8")
+    info = _compile(loaded, asked)
+    assert info["decode_path"] == "native" and info["decode_graph"] is True
+    assert loaded.model.compiled is None and isinstance(loaded.model.decode_graph, NativeDecode)
+    if how == "compile failed":
+        assert "no C++ compiler" in str(info["compile_error"])
+    dense = load_model(checkpoint, dtype="bfloat16", device="cpu")
+    assert _compile(dense, False) == {} and dense.model.decode_graph is None

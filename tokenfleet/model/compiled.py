@@ -223,6 +223,20 @@ def _whole_ticks(model: LlamaModel, mode: str) -> DecodeGraph | NativeDecode:
     return DecodeGraph(model, narrow=narrow, mode=mode)
 
 
+def install_native_decode(model: LlamaModel) -> bool:
+    """Whole decode ticks on the native stack for a model that runs eagerly otherwise
+    (`--no-compile`, or a compile that failed): the stack compiles nothing, so it needs
+    only the C++ kernels. Where it does not serve (or `TOKENFLEET_NATIVE_DECODE=0`, or a
+    whole-tick unit is there already) the model stays as it is. Returns whether it did."""
+    narrow = model.narrow is not None
+    if model.decode_graph is not None or model.device.type != "cpu" or not native_decode_wanted():
+        return False
+    if unsupported(model, narrow) is not None:
+        return False
+    model.decode_graph = NativeDecode(model, narrow=narrow)
+    return True
+
+
 def _warm_up(model: LlamaModel) -> None:
     """Every graph compiled: prefill chunks and decode ticks of the sizes that get one."""
     block = 16

@@ -315,21 +315,34 @@ def _compile(
     default start), or with quantized weights (measured faster there: issue 12); what the
     heartbeat says about it. Decode ticks compile as one graph where the plan says so,
     and with `--quant` on a CPU, where every tick runs the packed weights: the per-call
-    cost the graph removes is the same there."""
+    cost the graph removes is the same there. Such a model left uncompiled (not wanted,
+    or failed) still runs its decode ticks on the native stack where it serves."""
     if plan is not None:
         wanted = plan.compile
     else:
         wanted = asked if asked is not None else loaded.quant is not None
-    if not wanted:
-        return {}
-    from tokenfleet.model.compiled import compile_model
+    info: dict[str, object] = {}
+    if wanted:
+        from tokenfleet.model.compiled import compile_model
 
-    graph = plan.decode_graph if plan is not None else _quant_decode_graph(loaded)
-    return _compile_or_stay_eager(
-        loaded.model,
-        functools.partial(compile_model, decode_graph=graph),
-        explicit=asked is not None,
-    )
+        graph = plan.decode_graph if plan is not None else _quant_decode_graph(loaded)
+        info = _compile_or_stay_eager(
+            loaded.model,
+            functools.partial(compile_model, decode_graph=graph),
+            explicit=asked is not None,
+        )
+    model = loaded.model
+    # Ticks that read packed weights (a narrow set, --quant) pay most for running layer
+    # by layer; the native stack needs no compiling, so such a model gets it even
+    # uncompiled (--no-compile, or the compile failed above).
+    packed = model.narrow is not None or (loaded.quant is not None and model.deterministic is None)
+    if getattr(model, "decode_graph", None) is None and packed and loaded.device.type == "cpu":
+        from tokenfleet.model.compiled import install_native_decode
+
+        if install_native_decode(model):
+            info["decode_graph"] = True
+            info["decode_path"] = _decode_path(model)
+    return info
 
 
 def _cuda_graphs(loaded: LoadedModel, settings: WorkerSettings) -> dict[str, int] | None:
