@@ -181,6 +181,7 @@ void decode_attention_impl(
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / (longest * hd * G));
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), row(hd), scores, total(G);
+    std::vector<int64_t> where;  // each context row's offset in the pool (-1: the new one)
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, kh = job % KVH;
       const int64_t n = pp[b];
@@ -191,13 +192,24 @@ void decode_attention_impl(
       const int64_t L = n - first + (kn ? 1 : 0);
       scores.assign(G * std::max<int64_t>(L, 1), 0.0f);
 
-      // key / value row j of this query's context: from the pool through the block
-      // table, or (the last one, when given) its own new one
+      // Where row j of this query's context lies, worked out once per job by walking
+      // the block table (the K and V passes and their prefetches ask for every row
+      // about four times; a division by the block size each time cost more than the
+      // arithmetic on the row).
+      where.resize(std::max<int64_t>(L, 1));
+      {
+        int64_t blk = first / block_size, in = first % block_size;
+        for (int64_t j = 0; j < L; ++j) {
+          where[j] = first + j == n
+                         ? -1
+                         : ((tp[b * W + blk] * block_size + in) * KVH + kh) * hd;
+          if (++in == block_size) in = 0, ++blk;
+        }
+      }
+      // key / value row j: from the pool, or (the last one, when given) its own new one
       auto row_of = [&](const T* pool, const T* fresh, int64_t j) -> const T* {
-        const int64_t p = first + j;
-        if (p == n) return fresh + (b * KVH + kh) * hd;
-        const int64_t block = tp[b * W + p / block_size];
-        return pool + ((block * block_size + p % block_size) * KVH + kh) * hd;
+        const int64_t o = where[j];
+        return o < 0 ? fresh + (b * KVH + kh) * hd : pool + o;
       };
 
 #ifdef TOKENFLEET_BF16_DOT
