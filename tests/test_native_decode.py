@@ -84,7 +84,7 @@ def test_the_stack_follows_the_eager_forward_step_by_step(
     _follows_eager(_tiny(checkpoint, weights), narrow=weights in ("int8", "int4"))
 
 
-def _follows_eager(model: LlamaModel, narrow: bool) -> None:
+def _follows_eager(model: LlamaModel, narrow: bool, kv_exact: bool = True) -> None:
     """Three rows decoded greedily for 14 steps (positions 5..18: across block edges,
     past an 8-token window) by the stack and by the eager forward, each on its own copy
     of one pool: the same logits up to a last bf16 bit now and then, the same greedy
@@ -107,7 +107,10 @@ def _follows_eager(model: LlamaModel, narrow: bool) -> None:
             fed[r].append(int(want[r].argmax()))
     assert agree >= 40  # of 42: a near tie may go either way
     for got_kv, want_kv in ((pool.k, eager_pool.k), (pool.v, eager_pool.v)):
-        _mostly_close(got_kv.float(), want_kv.float())
+        if kv_exact:
+            torch.testing.assert_close(got_kv.float(), want_kv.float(), atol=0.02, rtol=0.02)
+        else:
+            _mostly_close(got_kv.float(), want_kv.float())
 
 
 def _mostly_close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -200,7 +203,8 @@ def test_the_stack_serves_every_family(
     if narrow:
         model.add_narrow(weights, 4)
     assert unsupported(model, narrow) is None
-    _follows_eager(model, narrow)
+    # Gemma 3's packed sets move a value a quantization step now and then (_mostly_close)
+    _follows_eager(model, narrow, kv_exact=not (narrow and family == "gemma3"))
 
 
 @needs_kernel

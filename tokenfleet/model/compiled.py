@@ -217,10 +217,15 @@ def _whole_ticks(model: LlamaModel, mode: str) -> DecodeGraph | NativeDecode:
     model on the CPU (nothing to compile; SmolLM2's one-row tick outside the matmuls
     1.1-1.5 ms against the graph's 1.9-2.4 on an EPYC Zen 4: native_decode.py), else the
     compiled decode graph."""
+    return _native(model) or DecodeGraph(model, narrow=model.narrow is not None, mode=mode)
+
+
+def _native(model: LlamaModel) -> NativeDecode | None:
+    """The native stack for `model`'s decode ticks, where it serves them (None: not)."""
     narrow = model.narrow is not None
     if model.device.type == "cpu" and native_decode_wanted() and unsupported(model, narrow) is None:
         return NativeDecode(model, narrow=narrow)
-    return DecodeGraph(model, narrow=narrow, mode=mode)
+    return None
 
 
 def install_native_decode(model: LlamaModel) -> bool:
@@ -228,13 +233,10 @@ def install_native_decode(model: LlamaModel) -> bool:
     (`--no-compile`, or a compile that failed): the stack compiles nothing, so it needs
     only the C++ kernels. Where it does not serve (or `TOKENFLEET_NATIVE_DECODE=0`, or a
     whole-tick unit is there already) the model stays as it is. Returns whether it did."""
-    narrow = model.narrow is not None
-    if model.decode_graph is not None or model.device.type != "cpu" or not native_decode_wanted():
-        return False
-    if unsupported(model, narrow) is not None:
-        return False
-    model.decode_graph = NativeDecode(model, narrow=narrow)
-    return True
+    if model.decode_graph is None:
+        model.decode_graph = _native(model)
+        return model.decode_graph is not None
+    return False
 
 
 def _warm_up(model: LlamaModel) -> None:

@@ -335,8 +335,7 @@ def _compile(
     # Ticks that read packed weights (a narrow set, --quant) pay most for running layer
     # by layer; the native stack needs no compiling, so such a model gets it even
     # uncompiled (--no-compile, or the compile failed above).
-    packed = model.narrow is not None or (loaded.quant is not None and model.deterministic is None)
-    if getattr(model, "decode_graph", None) is None and packed and loaded.device.type == "cpu":
+    if model.narrow is not None or loaded.quant is not None:
         from tokenfleet.model.compiled import install_native_decode
 
         if install_native_decode(model):
