@@ -1,17 +1,19 @@
 """The CPU paged decode-attention kernel alone (`tokenfleet::decode_attention`,
 tokenfleet/model/attention/paged_cpu.cpp) at SmolLM2-135M's shape: 9 query heads, 3 KV
 heads, head size 64, 30 layers, blocks of 16 rows placed at random in the pool (as a
-busy worker's pool holds them).
+busy worker's pool holds them), in bf16 (a bf16 model's pool) and, with `--dtypes
+bfloat16,float32`, float32 (the pool of a float32 model: what `--dtype auto` serves on a
+CPU without bf16, an AVX2 EPYC say).
 
 Usage: python bench/paged_attention.py [--batches 1,8] [--contexts 128,512]
-           [--threads 2] [--rounds 5] [--calls 20]
+           [--dtypes bfloat16] [--threads 2] [--rounds 5] [--calls 20]
            [--out bench/out/paged_attention.json] [--plot bench/out/paged_attention.png]
 
-For each (rows B, keys L): one "tick" is 30 calls, one per layer, each row with L keys
+For each (dtype, rows B, keys L): one "tick" is 30 calls, one per layer, each row with L keys
 in the pool plus its own new key; a round times `--calls` ticks after as many untimed
 ones. Rounds go over every shape in turn (interleaved), and each shape's ms per tick is
 reported as min / median / max over the rounds. The bytes each tick reads (the rows'
-K and V in bf16) over the median time give the rate the kernel reads them at.
+K and V) over the median time give the rate the kernel reads them at.
 
 To compare two versions of the kernel, run this once with each source in place (the
 build is cached per source, so switching back costs nothing).
@@ -31,6 +33,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--batches", default="1,8")
     p.add_argument("--contexts", default="128,512")
+    p.add_argument("--dtypes", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20)
@@ -49,49 +52,52 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
     shapes = []
-    for rows in (int(b) for b in args.batches.split(",")):
-        for keys in (int(c) for c in args.contexts.split(",")):
-            blocks = -(-(keys + 1) // BLOCK)
-            slots = rows * blocks * BLOCK
+    for dtype in args.dtypes.split(","):
+        kind = getattr(torch, dtype)
+        for rows in (int(b) for b in args.batches.split(",")):
+            for keys in (int(c) for c in args.contexts.split(",")):
+                blocks = -(-(keys + 1) // BLOCK)
+                slots = rows * blocks * BLOCK
 
-            def pool(slots: int = slots) -> torch.Tensor:
-                size = (LAYERS, slots, KV_HEADS, HEAD_DIM)
-                return torch.randn(size, generator=gen).bfloat16()
+                def pool(slots: int = slots, kind: torch.dtype = kind) -> torch.Tensor:
+                    size = (LAYERS, slots, KV_HEADS, HEAD_DIM)
+                    return torch.randn(size, generator=gen).to(kind)
 
-            args_ = (
-                torch.randn(rows, HEADS, HEAD_DIM, generator=gen).bfloat16(),
-                pool(),
-                pool(),
-                torch.randn(rows, KV_HEADS, HEAD_DIM, generator=gen).bfloat16(),
-                torch.randn(rows, KV_HEADS, HEAD_DIM, generator=gen).bfloat16(),
-                torch.randperm(rows * blocks, generator=gen).int().view(rows, blocks),
-                torch.full((rows,), keys, dtype=torch.long),
-            )
-            shapes.append((rows, keys, args_))
+                args_ = (
+                    torch.randn(rows, HEADS, HEAD_DIM, generator=gen).to(kind),
+                    pool(),
+                    pool(),
+                    torch.randn(rows, KV_HEADS, HEAD_DIM, generator=gen).to(kind),
+                    torch.randn(rows, KV_HEADS, HEAD_DIM, generator=gen).to(kind),
+                    torch.randperm(rows * blocks, generator=gen).int().view(rows, blocks),
+                    torch.full((rows,), keys, dtype=torch.long),
+                )
+                shapes.append((dtype, rows, keys, args_))
 
     def tick(a: tuple[torch.Tensor, ...]) -> None:
         for layer in range(LAYERS):
             op(*a, layer, BLOCK, 0)
 
-    times: dict[tuple[int, int], list[float]] = {(b, k): [] for b, k, _ in shapes}
+    times: dict[tuple[str, int, int], list[float]] = {(d, b, k): [] for d, b, k, _ in shapes}
     for _ in range(args.rounds):
-        for rows, keys, a in shapes:
+        for dtype, rows, keys, a in shapes:
             for _ in range(args.calls):
                 tick(a)
             start = time.perf_counter()
             for _ in range(args.calls):
                 tick(a)
-            times[(rows, keys)].append((time.perf_counter() - start) / args.calls * 1e3)
+            times[(dtype, rows, keys)].append((time.perf_counter() - start) / args.calls * 1e3)
 
     results = []
-    for rows, keys, _ in shapes:
-        s = spread(times[(rows, keys)])
-        read = rows * (keys + 1) * LAYERS * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16
+    for dtype, rows, keys, a in shapes:
+        s = spread(times[(dtype, rows, keys)])
+        size = a[1].element_size()
+        read = rows * (keys + 1) * LAYERS * KV_HEADS * HEAD_DIM * size * 2  # K and V
         gbs = read / (s["median"] / 1e3) / 1e9
-        results.append({"rows": rows, "keys": keys, "ms_per_tick": s, "read_mb": read / 1e6})
-        results[-1]["gb_per_s"] = round(gbs, 2)
+        results.append({"dtype": dtype, "rows": rows, "keys": keys, "ms_per_tick": s})
+        results[-1].update(read_mb=read / 1e6, gb_per_s=round(gbs, 2))
         print(
-            f"rows {rows:2d} keys {keys:4d}: {s['min']:.3f} / {s['median']:.3f} / "
+            f"{dtype:8s} rows {rows:2d} keys {keys:4d}: {s['min']:.3f} / {s['median']:.3f} / "
             f"{s['max']:.3f} ms per tick of {LAYERS} layers ({read / 1e6:.1f} MB, "
             f"{gbs:.1f} GB/s)",
             flush=True,
@@ -100,7 +106,7 @@ def main() -> None:
     out.update(results=results, machine=mark_end(machine))
     write_json(Path(args.out), out)
     with figure(Path(args.plot), 1, 1, figsize=(6, 3.5)) as ax:
-        labels = [f"{r['rows']}x{r['keys']}" for r in results]
+        labels = [f"{r['dtype'][:4]} {r['rows']}x{r['keys']}" for r in results]
         ax.bar(labels, [r["ms_per_tick"]["median"] for r in results])
         ax.set_ylabel("ms per tick (30 layers), median")
         ax.set_xlabel("rows x keys")

@@ -32,11 +32,13 @@ needs_kernel = pytest.mark.skipif(not paged_cpu.load(), reason=f"{paged_cpu.fail
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_kernel_equals_gathered_sdpa(dtype: torch.dtype, window: int | None) -> None:
+@pytest.mark.parametrize("hd", [64, 128, 48])  # 48: no fast path, the plain loops
+def test_paged_kernel_equals_gathered_sdpa(dtype: torch.dtype, window: int | None, hd: int) -> None:
     """The kernel reads each row's keys where its block table puts them: the same output
-    as gathering them for SDPA, with shared prefixes, ragged lengths and a window."""
+    as gathering them for SDPA, with shared prefixes, ragged lengths and a window, on
+    each of its paths (AVX512-BF16 for bf16, AVX2, plain loops) this CPU has."""
     torch.manual_seed(0)
-    heads, kv_heads, hd, blocks = 6, 2, 64, 40
+    heads, kv_heads, blocks = 6, 2, 40
     k = torch.randn(blocks * BLOCK, kv_heads, hd, dtype=dtype)
     v = torch.randn(blocks * BLOCK, kv_heads, hd, dtype=dtype)
     g = group([[5, 6, 7, 8, 20], [5, 6, 7, 8, 21, 22], [5, 6, 7, 30], [9]], [19, 23, 14, 1])
@@ -76,20 +78,21 @@ def test_paged_kernel_with_its_own_new_key_equals_it_written_first() -> None:
 
 
 @needs_kernel
-def test_paged_kernel_rows_do_not_depend_on_the_tick_or_the_threads() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_kernel_rows_do_not_depend_on_the_tick_or_the_threads(dtype: torch.dtype) -> None:
     """The kernel splits a tick into (row, KV head) jobs between threads: a row's bits are
     the same alone or beside seven others, on one thread or two, with contexts long
     enough (1,000 keys) that both threads get jobs."""
     torch.manual_seed(2)
     layers, blocks, bs, kvh, hd, heads = 1, 512, 16, 3, 64, 9
-    k_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=torch.bfloat16)
-    v_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=torch.bfloat16)
+    k_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=dtype)
+    v_pool = torch.randn(layers, blocks * bs, kvh, hd, dtype=dtype)
     rows = 8
     tables = torch.randperm(blocks)[: rows * 64].view(rows, 64).to(torch.int32)
     past = torch.tensor([1000, 3, 700, 1017, 64, 512, 999, 250])
-    q = torch.randn(rows, heads, hd, dtype=torch.bfloat16)
-    k_new = torch.randn(rows, kvh, hd, dtype=torch.bfloat16)
-    v_new = torch.randn(rows, kvh, hd, dtype=torch.bfloat16)
+    q = torch.randn(rows, heads, hd, dtype=dtype)
+    k_new = torch.randn(rows, kvh, hd, dtype=dtype)
+    v_new = torch.randn(rows, kvh, hd, dtype=dtype)
     threads = torch.get_num_threads()
     try:
         outs = []

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.helpers.kernels import assert_rows_independent
+from tests.helpers.kernels import assert_float32_kept, assert_rows_independent
 from tokenfleet.model import quant
 from tokenfleet.model.quant import PACKED_MAX_ROWS, quantize_int8
 
 pytestmark = pytest.mark.skipif(
-    not quant._vnni_possible(), reason="no AVX512-VNNI kernel on this CPU (or no compiler)"
+    not quant.int_kernels(), reason="no AVX2 or AVX512-VNNI kernel on this CPU (or no compiler)"
 )
 
 
@@ -49,12 +49,13 @@ class Case:
             self.x if x is None else x, w.data, w.scales, w.out_features
         )
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: per block of 32, qx = round(x * (1/d)) (ties
         to even), integer dot products with the weight, times d, summed, times the row
         scale."""
-        rows, inp = self.x.shape
-        xb = self.x.float().view(rows, inp // 32, 32)
+        x = self.x if x is None else x
+        rows, inp = x.shape
+        xb = x.float().view(rows, inp // 32, 32)
         d = xb.abs().amax(-1) / 127.0
         inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
         qx = torch.round(xb * inv[..., None]).clamp(-127, 127).double()
@@ -94,6 +95,11 @@ def test_a_row_gets_the_same_bits_alone_or_among_others_at_any_row_count() -> No
     assert_rows_independent(c.kernel, c.x)
 
 
+def test_float32_activations_are_quantized_as_they_are() -> None:
+    c = Case(21, 200, 576, seed=7)
+    assert_float32_kept(c.kernel, c.reference, c.x)
+
+
 def test_bad_shapes_and_types_are_named() -> None:
     c = Case(2, 64, 128)
     w = c.w
@@ -101,8 +107,8 @@ def test_bad_shapes_and_types_are_named() -> None:
         torch.ops.tokenfleet.int8_linear(c.x[:, :96], w.data, w.scales, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         torch.ops.tokenfleet.int8_linear(c.x, w.data, w.scales, 65)
-    with pytest.raises(RuntimeError, match="x bf16, w int8, scales float32"):
-        torch.ops.tokenfleet.int8_linear(c.x.float(), w.data, w.scales, 64)
+    with pytest.raises(RuntimeError, match="x bf16 or float32, w int8, scales float32"):
+        torch.ops.tokenfleet.int8_linear(c.x.half(), w.data, w.scales, 64)
     assert c.kernel(c.x[:0]).shape == (0, 64)
 
 
@@ -118,8 +124,11 @@ def test_packed_int8_calls_take_it_up_to_16_rows_and_at_every_count_in_determini
     assert torch.equal(w.matmul(x), dense)
     assert torch.equal(w.matmul(x, one_kernel=True), kernel)
     assert torch.equal(w.matmul(x[:1], one_kernel=True), kernel[:1])
+    # float32 activations go in as they are and come back float32, unrounded: the bf16
+    # output is the same sums rounded
     y32 = w.matmul(x[:3].float())
-    assert y32.dtype == torch.float32 and torch.equal(y32, kernel[:3].float())
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), kernel[:3])
+    assert not torch.equal(y32, kernel[:3].float())
     # torch's layout runs torch's kernel
     t = c.torchs
     torchs = torch.ops.aten._weight_int8pack_mm(x[:PACKED_MAX_ROWS], t.data, t.scales)

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers.kernels import assert_rows_independent
+from tests.helpers.kernels import assert_float32_kept, assert_rows_independent
 from tokenfleet.model import quant
 from tokenfleet.model.quant import PACKED_MAX_ROWS, from_q4_blocks, quantize_int4
 
 pytestmark = pytest.mark.skipif(
-    not quant._vnni_possible(), reason="no AVX512-VNNI kernel on this CPU (or no compiler)"
+    not quant.int_kernels(), reason="no AVX2 or AVX512-VNNI kernel on this CPU (or no compiler)"
 )
 
 
@@ -52,12 +52,13 @@ class Case:
             self.x if x is None else x, w.data, w.scales, w.out_features
         )
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel's arithmetic in torch: per block of 32, qx = round(x * (1/dx)) (ties
         to even), exact integer dot products with q, then dx * (d * dot + m * sum qx)."""
-        rows, inp = self.x.shape
+        x = self.x if x is None else x
+        rows, inp = x.shape
         groups = inp // 32
-        xb = self.x.float().view(rows, groups, 32)
+        xb = x.float().view(rows, groups, 32)
         dx = xb.abs().amax(-1) / 127.0
         inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx))
         qx = torch.round(xb * inv[..., None]).clamp(-127, 127).double()
@@ -100,6 +101,11 @@ def test_a_row_gets_the_same_bits_alone_or_among_others_at_any_row_count() -> No
     assert_rows_independent(c.kernel, c.x)
 
 
+def test_float32_activations_are_quantized_as_they_are() -> None:
+    c = Case(21, 200, 576, seed=7)
+    assert_float32_kept(c.kernel, c.reference, c.x)
+
+
 def test_bad_shapes_and_types_are_named() -> None:
     c = Case(2, 64, 128)
     w = c.w
@@ -107,15 +113,15 @@ def test_bad_shapes_and_types_are_named() -> None:
         torch.ops.tokenfleet.q4_linear(c.x[:, :96], w.data, w.scales, 64)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         torch.ops.tokenfleet.q4_linear(c.x, w.data, w.scales, 65)
-    with pytest.raises(RuntimeError, match="x bf16, w uint8, dm float16"):
-        torch.ops.tokenfleet.q4_linear(c.x.float(), w.data, w.scales, 64)
+    with pytest.raises(RuntimeError, match="x bf16 or float32, w uint8, dm float16"):
+        torch.ops.tokenfleet.q4_linear(c.x.half(), w.data, w.scales, 64)
     assert c.kernel(c.x[:0]).shape == (0, 64)
 
 
 def test_packed_int4_calls_take_it_up_to_16_rows_and_always_in_deterministic_mode() -> None:
     """Up to 16 rows the kernel; above, the weight dequantized for the call and a dense
     bf16 matmul; `one_kernel` (deterministic mode) the kernel at every row count. A
-    float32 model's activations go in as bf16 and come back float32."""
+    float32 model's activations go in as they are and come back float32."""
     c = Case(40, 576, 576, seed=5)
     w, x = c.w, c.x
     kernel = c.kernel()
@@ -124,8 +130,11 @@ def test_packed_int4_calls_take_it_up_to_16_rows_and_always_in_deterministic_mod
     assert torch.equal(w.matmul(x[:PACKED_MAX_ROWS]), kernel[:PACKED_MAX_ROWS])
     assert torch.equal(w.matmul(x), dense)
     assert torch.equal(w.matmul(x, one_kernel=True), kernel)
+    # float32 activations go in as they are and come back float32, unrounded: the bf16
+    # output is the same sums rounded
     y32 = w.matmul(x[:3].float())
-    assert y32.dtype == torch.float32 and torch.equal(y32, kernel[:3].float())
+    assert y32.dtype == torch.float32 and torch.equal(y32.bfloat16(), kernel[:3])
+    assert not torch.equal(y32, kernel[:3].float())
 
 
 def test_the_layout_follows_the_switch_and_both_hold_the_same_weights() -> None:

@@ -4,7 +4,7 @@ this model by a short measured probe, not by a table.
 What decides a CPU tick's speed is how its matmuls read the weights. A decode tick of a
 few rows reads every weight once and does little arithmetic with it: fewer bytes win
 (packed int4 / int8: tokenfleet's int4 x int8 and int8 x int8 kernels where the CPU has
-AVX512-VNNI, torch's weight-only kernels elsewhere). A wide tick (a prefill chunk,
+AVX512-VNNI or AVX2, torch's weight-only kernels elsewhere). A wide tick (a prefill chunk,
 many decodes) is arithmetic: the dense bf16 weights on the CPU's matrix units win (AMX
 tiles on a Xeon; AVX512-BF16 elsewhere). Where those two cross depends on the CPU, so
 `plan_engine` measures it: one pass over every layer's matrices and the LM head, in each
@@ -19,11 +19,11 @@ file's own Q4_0 / Q4_1 blocks (the file's very values), int8 per channel otherwi
 decode ticks as one graph (`decode_graph.py`) where the paged kernel builds.
 
 A CPU without bf16 (AVX2 only) serves the model in float32, and the plan is made the
-same way: the narrow weights are then called with the activations rounded to bf16 (the
-packed kernels' fast path; float32 activations are ~10x slower there), the result back in
-float32 (`PackedWeight.matmul`). On an AVX2 EPYC Zen 3 that took a SmolLM2 decode tick from
-78 ms (dense float32, eager) to 20 ms (int4 layers, int8 head, the decode graph), the
-greedy tokens the float32 model's (docs/benchmarks.md).
+same way: tokenfleet's kernels quantize the float32 activations as they are and return
+float32 (torch's, where they serve, get them rounded to bf16: `PackedWeight.matmul`). On
+an AVX2 EPYC Zen 3 that took a SmolLM2 decode tick from 78 ms (dense float32, eager) to
+20 ms with torch's int4 kernel, and the layers' matmuls from 14.4 to ~4 ms more with
+tokenfleet's AVX2 build of its own (docs/benchmarks.md).
 
 Small models (under `AUTO_MIN_PARAMS`: test and toy models) start as before, dense and
 eager: compiling costs seconds to minutes at start, and a second set of weights buys them
@@ -54,6 +54,8 @@ from tokenfleet.model.quant import (
     PackedWeight,
     QuantKind,
     int4_blocks,
+    int8_vnni,
+    int_kernels,
     quantize,
     resident_bytes,
 )
@@ -62,8 +64,9 @@ AUTO_MIN_PARAMS = 50_000_000
 PROBE_ROWS = (1, 2, 4, 8, 16)
 # bump when the probe measures something else (2: int8 runs the VNNI kernel; 3: the int4
 # layout, Q4_1 blocks on tokenfleet's kernel or torch's, is part of the key; 4: that
-# kernel reads 16 output rows per vector; 5: so does the int8 one)
-PROBE_VERSION = 5
+# kernel reads 16 output rows per vector; 5: so does the int8 one; 6: both kernels built for
+# AVX2 too, the int8 layout part of the key)
+PROBE_VERSION = 6
 _PROBE_PASSES = 5
 
 
@@ -141,9 +144,11 @@ def plan_engine(
         why = f"dense {dtype} at every row count ({best} {probe[best][1]:.1f} ms vs dense "
         why += f"{dense[1]:.1f} ms per one-row tick of layer matmuls); {how}"
         return EnginePlan(None, 0, 0, compile_, False, why, probe, cached)
+    on_ours = int4_blocks() if best == "int4" else int8_vnni()
+    kernel = f"tokenfleet's {int_kernels()} kernel" if on_ours else "torch's kernel"
     why = (
-        f"{best} layers for decode ticks of <= {rows} rows ({probe[best][1]:.1f} vs dense "
-        f"{dense[1]:.1f} ms of layer matmuls at one row), int8 LM head for <= {head_rows} "
+        f"{best} layers on {kernel} for decode ticks of <= {rows} rows ({probe[best][1]:.1f} "
+        f"vs dense {dense[1]:.1f} ms of layer matmuls at one row), int8 LM head for <= {head_rows} "
         f"({probe['head_int8'][1]:.1f} vs {probe['head_dense'][1]:.1f} ms at one row), "
         f"dense {dtype} above ({probe[best][16]:.1f} vs {dense[16]:.1f} ms at 16); {how}"
     )
@@ -252,6 +257,7 @@ def _cache_path(loaded: LoadedModel, kinds: list[str], cache_dir: Path | None) -
         loaded.source_quant,
         sorted(kinds),
         int4_blocks(),
+        int8_vnni(),
     ):
         h.update(repr(part).encode())
     root = cache_dir or Path(

@@ -2,19 +2,19 @@
 
 A decode step at a few rows reads every weight once and does little arithmetic
 with it, so its time is the weight bytes over the memory bandwidth: halving the
-bytes halves the step. Both formats run on torch's own CPU kernels, with bf16
-activations (their fast path: with float32 activations int8 is ~20x slower here,
-642 vs 30 us for SmolLM2's gate/up matrix at one row):
+bytes halves the step. Both formats run on tokenfleet's own kernels where the CPU has
+AVX512-VNNI or AVX2 (`int_kernels`, attention/paged_cpu.cpp: the activations quantized
+per block of 32 as llama.cpp's Q8_0 / Q8_1, bf16 or float32 in and out), else on
+torch's, with bf16 activations (their fast path: with float32 activations torch's int8
+is ~20x slower, 642 vs 30 us for SmolLM2's gate/up matrix at one row):
 
-    int8  w = q * scale[out], q in [-127, 127]. On a CPU with AVX512-VNNI, laid out 16
-          output rows at a time for tokenfleet's int8 x int8 kernel (`int8_vnni`);
-          elsewhere torch's `_weight_int8pack_mm`
+    int8  w = q * scale[out], q in [-127, 127]. With tokenfleet's kernels laid out 16
+          output rows at a time (`int8_linear`); elsewhere torch's `_weight_int8pack_mm`
     int4  w = q * d[out, g] + m[out, g] for each group g of 32 input columns, q in
-          [0, 15] (llama.cpp's Q4_1). On a CPU with AVX512-VNNI, d and m kept in
+          [0, 15] (llama.cpp's Q4_1). With tokenfleet's kernels d and m kept in
           float16 (a GGUF file's values exactly), the nibbles laid out 16 output rows at
-          a time, run by tokenfleet's kernel (`q4_linear`: the activations quantized per
-          block of 32 as llama.cpp's Q8_1, one vpdpbusd multiplying four inputs of 16
-          rows by four broadcast activation bytes); elsewhere torch's
+          a time (`q4_linear`: one instruction multiplies four inputs of 8 or 16 rows by
+          four broadcast activation bytes); elsewhere torch's
           `_weight_int4pack_mm_for_cpu` (its private packed layout, scale d and zero
           m + 8d in bf16)
 
@@ -57,9 +57,10 @@ _q4_blocks: bool | None = None
 def int8_vnni() -> bool:
     """Whether int8 weights are packed from now on (16 output rows at a time) for
     `tokenfleet::int8_linear` (attention/paged_cpu.cpp): int8 weights times the
-    activations quantized to int8 per block of 32, summed by vpdpbusd, where torch's
+    activations quantized to int8 per block of 32, summed in integers, where torch's
     `_weight_int8pack_mm` widens every weight to bf16. On wherever the kernel builds
-    with AVX512-VNNI, unless `TOKENFLEET_INT8_VNNI=0`; decided at packing, a weight keeps
+    (AVX512-VNNI or AVX2: `int_kernels`), unless `TOKENFLEET_INT8_VNNI=0` (the name is
+    older than the AVX2 build); decided at packing, a weight keeps
     its layout. Calls of up to PACKED_MAX_ROWS rows run it; in deterministic mode
     (`one_kernel`) every row count does: a row's result depends on no other row (each
     row quantized on its own), and torch's kernel, which deterministic mode once fell
@@ -67,7 +68,7 @@ def int8_vnni() -> bool:
     (bench/deterministic.py)."""
     global _vnni
     if _vnni is None:
-        _vnni = os.environ.get("TOKENFLEET_INT8_VNNI", "1") != "0" and _vnni_possible()
+        _vnni = os.environ.get("TOKENFLEET_INT8_VNNI", "1") != "0" and bool(int_kernels())
     return _vnni
 
 
@@ -75,17 +76,17 @@ def set_int8_vnni(on: bool | None) -> None:
     """Force the int8 layout for weights packed from now on (benchmarks, tests); None:
     decide again as at start."""
     global _vnni
-    _vnni = None if on is None else (on and _vnni_possible())
+    _vnni = None if on is None else (on and bool(int_kernels()))
 
 
 def int4_blocks() -> bool:
     """Whether int4 weights are packed from now on in Q4_1 blocks laid out 16 rows at a
-    time for `tokenfleet::q4_linear` (AVX512-VNNI, see `int8_vnni`), else in torch's layout for
+    time for `tokenfleet::q4_linear` (see `int8_vnni`), else in torch's layout for
     `_weight_int4pack_mm_for_cpu`. Decided at packing: a weight keeps its layout. Off
     with `TOKENFLEET_INT4_VNNI=0`."""
     global _q4_blocks
     if _q4_blocks is None:
-        _q4_blocks = os.environ.get("TOKENFLEET_INT4_VNNI", "1") != "0" and _vnni_possible()
+        _q4_blocks = os.environ.get("TOKENFLEET_INT4_VNNI", "1") != "0" and bool(int_kernels())
     return _q4_blocks
 
 
@@ -93,13 +94,18 @@ def set_int4_blocks(on: bool | None) -> None:
     """Force the int4 layout for weights packed from now on (benchmarks, tests); None:
     decide again as at start."""
     global _q4_blocks
-    _q4_blocks = None if on is None else (on and _vnni_possible())
+    _q4_blocks = None if on is None else (on and bool(int_kernels()))
 
 
-def _vnni_possible() -> bool:
+def int_kernels() -> str:
+    """Which build of tokenfleet's int8 / int4 kernels this CPU runs: "avx512-vnni",
+    "avx2", or "" (no compiler, or neither instruction set: torch's kernels serve)."""
     from tokenfleet.model.attention import paged_cpu
 
-    return paged_cpu.load() and bool(torch.ops.tokenfleet.int8_vnni())
+    if not paged_cpu.load():
+        return ""
+    isa: str = torch.ops.tokenfleet.int_kernels()
+    return isa
 
 
 class QuantError(ValueError):
@@ -142,8 +148,8 @@ class PackedWeight:
         return self.scales.dtype == wanted
 
     def matmul(self, x: Tensor, *, one_kernel: bool = False) -> Tensor:
-        """x [T, in] bf16 (or float32, rounded to bf16 for the packed kernels) -> x @ w.T
-        [T, out] in x's dtype.
+        """x [T, in] bf16 or float32 -> x @ w.T [T, out] in x's dtype (torch's packed
+        kernels get float32 activations rounded to bf16; tokenfleet's take either).
 
         The packed kernels win while a call reads more weight bytes than it does
         arithmetic: up to ~16 rows here. A longer int8 call (a prefill chunk)
@@ -162,14 +168,11 @@ class PackedWeight:
                 if self.kind == "int8"
                 else torch.ops.tokenfleet.q4_linear
             )
-            n = self.out_features
-            if x.dtype == torch.bfloat16:  # (the eager path: no no-op casts)
-                y16: Tensor = op(x, self.data, self.scales, n)
-                return y16
-            y16 = op(x.bfloat16(), self.data, self.scales, n)
-            return y16.to(x.dtype)
+            xk = x if x.dtype in (torch.bfloat16, torch.float32) else x.float()  # theirs
+            yk: Tensor = op(xk, self.data, self.scales, self.out_features)
+            return yk if xk is x else yk.to(x.dtype)
         if x.dtype != torch.bfloat16 and (self.kind == "int4" or x.shape[0] <= PACKED_MAX_ROWS):
-            # the packed kernels' fast path is bf16 activations (with float32 ones int8
+            # torch's packed kernels' fast path is bf16 activations (with float32 ones int8
             # was 9.6x slower on an AVX2 EPYC Zen 3, ~20x on AVX-512: module docstring):
             # a float32 model rounds its activations to bf16 for the call
             return self.matmul(x.bfloat16(), one_kernel=one_kernel).to(x.dtype)

@@ -10,9 +10,9 @@
 // -O3 -march=native) and registered as torch.ops.tokenfleet.decode_attention, so the
 // compiled decode graph calls it as one extern kernel per layer.
 //
-// The same library holds torch.ops.tokenfleet.int8_linear and q4_linear (at the end of
-// the file): int8 weights, and int4 ones in llama.cpp's Q4_1 blocks, times int8-quantized
-// activations on AVX512-VNNI, for model/quant.py.
+// The same library holds torch.ops.tokenfleet.int8_linear and q4_linear (after it): int8
+// weights, and int4 ones in llama.cpp's Q4_1 blocks, times int8-quantized activations on
+// AVX512-VNNI or AVX2, for model/quant.py; and the native decode stack (at the end).
 
 #include <torch/extension.h>
 
@@ -23,11 +23,14 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__)
 #define TOKENFLEET_BF16_DOT 1
 #endif
 
@@ -130,6 +133,82 @@ inline void weigh_values(const float* w, int64_t L, RowOf row_of, float* acc) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define TOKENFLEET_AVX2_ATTN 1
+// The AVX2 path (CPUs without AVX512-BF16 such as the EPYC Zen 2 / Zen 3, and float32
+// pools on any CPU with AVX2): a score is 8 float32 lanes of q * k products across the
+// head, and 8 keys' lanes are folded into one register of 8 scores by a tree of
+// horizontal adds; a value row is widened 8 lanes at a time into accumulators held in
+// registers across the keys, the head split into column passes that fit AVX2's 16
+// registers. The plain loops below widen every row through memory and sum one score
+// at a time.
+
+inline __m256 widen8(const c10::BFloat16* p) {  // 8 bf16 -> 8 float32 (exact)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <int64_t HD, typename T>
+inline void prefetch_row8(const T* p) {  // as prefetch_row, for either element type
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < HD * static_cast<int64_t>(sizeof(T)); b += 64)
+    _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// the scores of one query row (float32, already scaled) against 8 key rows
+template <int64_t HD, typename T>
+inline __m256 dot8(const float* q, const T* const* k) {
+  __m256 s[8];
+  for (int i = 0; i < 8; ++i) {
+    s[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < HD; c += 8)
+      s[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), widen8(k[i] + c), s[i]);
+  }
+  // lane i of the result: the sum of s[i]'s lanes
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+template <int64_t HD, typename T>
+inline float dot1(const float* q, const T* k) {
+  __m256 s = _mm256_setzero_ps();
+  for (int64_t c = 0; c < HD; c += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), widen8(k + c), s);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// acc[g][:] = sum over j of w[g][j] * V[j][:] for GN (<= 4) query heads, C columns of 8
+// at a time (GN x C accumulators, GN weights and one value register live). The first
+// pass asks for whole rows ahead, so the later passes find them in the cache.
+template <int64_t HD, int GN, typename T, typename RowOf>
+inline void weigh_values8(const float* w, int64_t L, RowOf row_of, float* acc) {
+  constexpr int64_t C = GN == 1 ? 8 : GN <= 3 ? 4 : 2;
+  constexpr int64_t step = HD % (8 * C) == 0 ? 8 * C : 8;
+  constexpr int64_t cols = step / 8;
+  constexpr int64_t ahead = 8;  // rows
+  for (int64_t c0 = 0; c0 < HD; c0 += step) {
+    __m256 a[GN][cols];
+    for (int g = 0; g < GN; ++g)
+      for (int64_t c = 0; c < cols; ++c) a[g][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      if (c0 == 0 && j + ahead < L) prefetch_row8<HD>(row_of(j + ahead));
+      const T* v = row_of(j) + c0;
+      __m256 wg[GN];
+      for (int g = 0; g < GN; ++g) wg[g] = _mm256_set1_ps(w[g * L + j]);
+      for (int64_t c = 0; c < cols; ++c) {
+        const __m256 x = widen8(v + 8 * c);
+        for (int g = 0; g < GN; ++g) a[g][c] = _mm256_fmadd_ps(wg[g], x, a[g][c]);
+      }
+    }
+    for (int g = 0; g < GN; ++g)
+      for (int64_t c = 0; c < cols; ++c) _mm256_storeu_ps(acc + g * HD + c0 + 8 * c, a[g][c]);
+  }
+}
+#endif
+
 // One row of hd values to float32: bf16 by its bit pattern (a shift the compiler
 // vectorises; c10's scalar conversion does not), other types by a cast.
 template <typename T>
@@ -217,6 +296,12 @@ void decode_attention_impl(
 #else
       constexpr bool fast = false;
 #endif
+#ifdef TOKENFLEET_AVX2_ATTN
+      constexpr bool avx2 = !fast && HD > 0 && HD % 32 == 0 &&
+                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+#else
+      constexpr bool avx2 = false;
+#endif
       if constexpr (fast) {
 #ifdef TOKENFLEET_BF16_DOT
         const auto* q16 = reinterpret_cast<const uint16_t*>(qp + (b * H + kh * G) * hd);
@@ -234,6 +319,24 @@ void decode_attention_impl(
           const auto* k16 = reinterpret_cast<const uint16_t*>(row_of(kb, kn, j));
           for (int64_t g = 0; g < G; ++g)
             scores[g * L + j] = dot_bf16<HD>(q16 + g * HD, k16) * scale;
+        }
+#endif
+      } else if constexpr (avx2) {
+#ifdef TOKENFLEET_AVX2_ATTN
+        to_float(qp + (b * H + kh * G) * hd, qf.data(), G * hd);
+        for (int64_t i = 0; i < G * hd; ++i) qf[i] *= scale;
+        int64_t j = 0;
+        for (; j + 8 <= L; j += 8) {  // whole groups of 8 keys
+          const T* k8[8];
+          for (int i = 0; i < 8; ++i) k8[i] = row_of(kb, kn, j + i);
+          for (int64_t i = j + 8; i < std::min(L, j + 16); ++i)  // the next group's keys
+            prefetch_row8<HD>(row_of(kb, kn, i));
+          for (int64_t g = 0; g < G; ++g)
+            _mm256_storeu_ps(scores.data() + g * L + j, dot8<HD>(qf.data() + g * HD, k8));
+        }
+        for (; j < L; ++j) {  // the rest one by one
+          const T* k1 = row_of(kb, kn, j);
+          for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot1<HD>(qf.data() + g * HD, k1);
         }
 #endif
       } else {
@@ -275,6 +378,20 @@ void decode_attention_impl(
             case 2: weigh_values<HD, 2>(w, L, v16, a); break;
             case 3: weigh_values<HD, 3>(w, L, v16, a); break;
             default: weigh_values<HD, 4>(w, L, v16, a);
+          }
+        }
+#endif
+      } else if constexpr (avx2) {
+#ifdef TOKENFLEET_AVX2_ATTN
+        auto vrow = [&](int64_t j) { return row_of(vb, vn, j); };
+        for (int64_t g = 0; g < G; g += 4) {  // up to 4 query heads per pass over V
+          const float* w = scores.data() + g * L;
+          float* a = acc.data() + g * hd;
+          switch (std::min<int64_t>(4, G - g)) {
+            case 1: weigh_values8<HD, 1, T>(w, L, vrow, a); break;
+            case 2: weigh_values8<HD, 2, T>(w, L, vrow, a); break;
+            case 3: weigh_values8<HD, 3, T>(w, L, vrow, a); break;
+            default: weigh_values8<HD, 4, T>(w, L, vrow, a);
           }
         }
 #endif
@@ -351,72 +468,102 @@ at::Tensor decode_attention(
   return out;
 }
 
-// ---- int8 weights (16 outputs interleaved) times int8-quantized activations -----------
+// ---- int8 / int4 weights times int8-quantized activations ----------------------------
 //
-// y[m, n] = scale[n] * sum over blocks b of 32 inputs: dx[m, b] * (qx[m, b, :] . w[n, b, :])
-// where qx = round(x / dx), dx = max |x| / 127 over the block: llama.cpp's Q8_0 x Q8_0 dot
-// product, with the weight's one scale per output row. The weights are laid out for 16
-// outputs at a time (as q4_linear's below): per group g of 16 rows and step s of 4 inputs,
-// 64 bytes, lane j holding row 16g + j's inputs 4s..4s+3. vpdpbusd takes one unsigned
-// operand: the activations go in as qx + 128 (four bytes broadcast to every lane), and
-// 128 times the weights' block sum, one more vpdpbusd per step shared by all rows, is taken
-// off. A block's sums for 16 outputs land in one register, scaled there by the row's dx.
-// A row's arithmetic is lane-wise and in one order whatever the other rows, so its result
-// does not depend on them or on the thread split, at any row count.
+// int8_linear: y[m, n] = scale[n] * sum over blocks b of 32 inputs:
+//     dx[m, b] * (qx[m, b, :] . w[n, b, :])
+// where qx = round(x / dx) (nearest, ties to even), dx = max |x| / 127 over the block, so
+// qx lies in [-127, 127]: llama.cpp's Q8_0 x Q8_0 dot product, with the weight's one
+// scale per output row. The weights are laid out for 16 outputs at a time: per group g
+// of 16 rows and step s of 4 inputs, 64 bytes, lane j holding row 16g + j's inputs
+// 4s..4s+3.
+//
+// q4_linear: y[m, n] = sum over blocks b of 32 inputs:
+//     dx[m, b] * (d[n, b] * (qx[m, b, :] . q[n, b, :]) + mw[n, b] * sum(qx[m, b, :]))
+// with w = q * d + mw (q in [0, 15]): llama.cpp's Q4_1 x Q8_1 dot product. Per group g of
+// 16 output rows and block b, four 64-byte steps c, lane j of a step (bytes 4j..4j+3)
+// holding row 16g + j's inputs 32b + 8c + i in the low nibbles of its bytes i and 32b +
+// 8c + 4 + i in the high ones. d and mw are float16 [N / 16, K / 32, 16].
+//
+// In both layouts one instruction multiplies four inputs of many output rows by the same
+// four activation bytes (broadcast), and a block's sums for those rows land in one
+// register, scaled there at once: the float work is per block and 16 outputs, not per
+// weight. The same arithmetic has two implementations:
+// - AVX512-VNNI (Zen 4/5, Xeons since Ice Lake): vpdpbusd over all 16 rows. It takes one
+//   unsigned operand: int8's activations go in as qx + 128, and 128 times the weights'
+//   block sum (one more vpdpbusd per step, shared by all rows) is taken off.
+// - AVX2 (Zen 2/3, Intel since Haswell): 8 rows per register, vpmaddubsw (unsigned x
+//   signed bytes, pairs summed in int16) then vpmaddwd by ones (to int32). int4's
+//   nibbles are the unsigned operand, and a block's products fit int16 (at most
+//   8 x 2 x 15 x 127 = 30480); int8 goes in as |qx| times w carrying qx's sign (vpsignb,
+//   at most 2 x 127 x 127 a pair), widened to int32 every step.
+// The integer sums are exact and the float steps after them the same, in the same order,
+// so both give the same bits. x is bf16 or float32, y in x's dtype. A row's arithmetic is
+// lane-wise and in one order whatever the other rows, so its result does not depend on
+// them or on the thread split, at any row count.
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(TOKENFLEET_BF16_DOT)
 #define TOKENFLEET_VNNI 1
+#define TOKENFLEET_INT_KERNELS 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOKENFLEET_INT_AVX2 1
+#define TOKENFLEET_INT_KERNELS 1
+#endif
 
-struct Q8Rows {  // the activations, quantized per block of 32
-  std::vector<uint8_t> ux;  // qx + 128 [M, K]
-  std::vector<float> dx;    // [M, K / 32]
+#ifdef TOKENFLEET_INT_KERNELS
+struct QRows {  // the activations, quantized per block of 32
+  std::vector<int8_t> qx;  // [M, K]
+  std::vector<float> dx;   // [M, K / 32]
+  std::vector<float> sx;   // [M, K / 32]: dx * sum(qx), int4's offset term
 };
-
-// One block of 32 bf16 activations as llama.cpp's Q8_0 / Q8_1 quantize it: qx = round(x
-// / d) (nearest, ties to even), d = max |x| / 127, so qx lies in [-127, 127]. Returns d;
-// the 32 qx come back as int32 in q0 and q1. Both kernels below quantize this way.
-inline float quantize_block32(const uint16_t* src, __m512i& q0, __m512i& q1) {
-  const __m512 f0 = widen16(src), f1 = widen16(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
-  const float d = amax / 127.0f;
-  const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
-  q0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), hi), lo);
-  q1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f1, inv)), hi), lo);
-  return d;
-}
-
-inline void quantize_q8_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q8Rows& q) {
-  const int64_t B = K / 32;
-  q.ux.resize(M * K);
-  q.dx.resize(M * B);
-  const auto* bits = reinterpret_cast<const uint16_t*>(x);
-  const __m512i offset = _mm512_set1_epi32(128);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
-      __m512i q0, q1;
-      q.dx[m * B + b] = quantize_block32(bits + m * K + b * 32, q0, q1);
-      q0 = _mm512_add_epi32(q0, offset);  // qx + 128, as unsigned bytes
-      q1 = _mm512_add_epi32(q1, offset);
-      uint8_t* dst = q.ux.data() + m * K + b * 32;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
-    }
-  }
-}
 
 inline int32_t four_bytes(const void* p) {  // 4 activation bytes as one broadcastable int
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
+#endif
 
-template <int MR>
-inline void q8_group(const Q8Rows& q, int64_t m0, const int8_t* w, const float* ws, int64_t g,
-                     int64_t K, int64_t N, c10::BFloat16* out) {
+#ifdef TOKENFLEET_VNNI
+inline __m512 load16(const c10::BFloat16* p) {  // bf16
+  return widen16(reinterpret_cast<const uint16_t*>(p));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// One block of 32 activations quantized: the 32 qx to dst, their sum to qsum; returns d.
+template <typename S>
+inline float quantize_block32(const S* src, int8_t* dst, int32_t& qsum) {
+  const __m512 f0 = load16(src), f1 = load16(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(f0), _mm512_abs_ps(f1)));
+  const float d = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m512i hi = _mm512_set1_epi32(127), lo = _mm512_set1_epi32(-127);
+  const __m512i q0 =
+      _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f0, inv)), hi), lo);
+  const __m512i q1 =
+      _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(f1, inv)), hi), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
+  qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  return d;
+}
+
+inline void store16(c10::BFloat16* out, __m512 v, int64_t live) {  // bf16, nearest even
+  const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+  _mm256_mask_storeu_epi16(out, keep, (__m256i)_mm512_cvtneps_pbh(v));
+}
+inline void store16(float* out, __m512 v, int64_t live) {
+  const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
+  _mm512_mask_storeu_ps(out, keep, v);
+}
+
+template <int MR, typename O>
+inline void q8_group(const QRows& q, int64_t m0, const int8_t* w, const float* ws, int64_t g,
+                     int64_t K, int64_t N, O* out) {
   const int64_t B = K / 32;
   const int8_t* wg = w + g * 16 * K;
   const __m512i half = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int32_t flip = static_cast<int32_t>(0x80808080u);  // qx ^ 0x80 = qx + 128, unsigned
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
@@ -427,8 +574,8 @@ inline void q8_group(const Q8Rows& q, int64_t m0, const int8_t* w, const float* 
       const __m512i v = _mm512_loadu_si512(wg + (b * 8 + c) * 64);
       corr = _mm512_dpbusd_epi32(corr, half, v);
       for (int r = 0; r < MR; ++r) {
-        const uint8_t* xr = q.ux.data() + (m0 + r) * K + b * 32 + c * 4;
-        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(four_bytes(xr)), v);
+        const int8_t* xr = q.qx.data() + (m0 + r) * K + b * 32 + c * 4;
+        isum[r] = _mm512_dpbusd_epi32(isum[r], _mm512_set1_epi32(four_bytes(xr) ^ flip), v);
       }
     }
     for (int r = 0; r < MR; ++r) {
@@ -437,98 +584,13 @@ inline void q8_group(const Q8Rows& q, int64_t m0, const int8_t* w, const float* 
     }
   }
   const __m512 scale = _mm512_loadu_ps(ws + g * 16);
-  const int64_t live = std::min<int64_t>(16, N - g * 16);  // the last group may be short
-  const __mmask16 keep = live == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
-  for (int r = 0; r < MR; ++r) {  // bf16, nearest even
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r], scale));
-    _mm256_mask_storeu_epi16(out + (m0 + r) * N + g * 16, keep, h);
-  }
-}
-#endif
-
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                       int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 1,
-              "x [M, K], w [N rounded up to 16, K], scales [N rounded up to 16]");
-  const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
-  TORCH_CHECK(K % 32 == 0 && w.size(1) == K && R % 16 == 0 && scales.size(0) == R &&
-                  N > R - 16 && N <= R,
-              "int8_linear: shapes do not match");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
-                  scales.scalar_type() == at::kFloat,
-              "int8_linear: x bf16, w int8, scales float32");
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-#ifdef TOKENFLEET_VNNI
-  auto xc = x.contiguous();
-  auto wc = w.contiguous();
-  auto sc = scales.contiguous();
-  Q8Rows q;
-  quantize_q8_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
-  const int8_t* wp = wc.data_ptr<int8_t>();
-  const float* sp = sc.data_ptr<float>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, R / 16, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) q8_group<8>(q, m, wp, sp, g, K, N, op);
-      for (; m + 4 <= M; m += 4) q8_group<4>(q, m, wp, sp, g, K, N, op);
-      for (; m < M; ++m) q8_group<1>(q, m, wp, sp, g, K, N, op);
-    }
-  });
-  return out;
-#else
-  TORCH_CHECK(false, "int8_linear needs AVX512-VNNI (tokenfleet::int8_vnni() is false here)");
-  return out;
-#endif
+  const int64_t live = N - g * 16;  // the last group may be short
+  for (int r = 0; r < MR; ++r) store16(out + (m0 + r) * N + g * 16, _mm512_mul_ps(acc[r], scale), live);
 }
 
-// ---- int4 weights (Q4_1 blocks, 16 outputs interleaved) times int8-quantized activations --
-//
-// y[m, n] = sum over blocks b of 32 inputs:
-//     dx[m, b] * (d[n, b] * (qx[m, b, :] . q[n, b, :]) + mw[n, b] * sum(qx[m, b, :]))
-// with w = q * d + mw (q in [0, 15]) and x ~ qx * dx (qx = round(x / dx), dx = max |x| /
-// 127 over the block): llama.cpp's Q4_1 x Q8_1 dot product. The weights are laid out for
-// 16 outputs at a time: per group g of 16 output rows and block b, four 64-byte steps c,
-// lane j of a step (bytes 4j..4j+3) holding row 16g + j's inputs 32b + 8c + i in the low
-// nibbles of its bytes i and 32b + 8c + 4 + i in the high ones. So one vpdpbusd multiplies
-// four inputs of 16 rows by the same four activation bytes (broadcast), and a block's
-// sums for 16 outputs land in one register, scaled there by 16 d's and 16 mw's at once:
-// the float work per row is per block and 16 outputs, not per 128 weights and output.
-// d and mw are float16 [N / 16, K / 32, 16]. Each row's arithmetic is the same whatever
-// the other rows (lane-wise, in one order), so a row's result does not depend on the
-// other rows or on the thread split, at any row count.
-
-#ifdef TOKENFLEET_VNNI
-
-struct Q4Rows {  // the activations, quantized per block of 32
-  std::vector<int8_t> qx;  // [M, K]
-  std::vector<float> dx;   // [M, K / 32]
-  std::vector<float> sx;   // [M, K / 32]: dx * sum(qx)
-};
-
-inline void quantize_q4_rows(const c10::BFloat16* x, int64_t M, int64_t K, Q4Rows& q) {
-  const int64_t B = K / 32;
-  q.qx.resize(M * K);
-  q.dx.resize(M * B);
-  q.sx.resize(M * B);
-  const auto* bits = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < B; ++b) {
-      __m512i q0, q1;
-      const float d = quantize_block32(bits + m * K + b * 32, q0, q1);
-      int8_t* dst = q.qx.data() + m * K + b * 32;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q1));
-      q.dx[m * B + b] = d;
-      q.sx[m * B + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1)));
-    }
-  }
-}
-
-template <int MR>
-inline void q4_group(const Q4Rows& q, int64_t m0, const uint8_t* w, const at::Half* d,
-                     const at::Half* mw, int64_t g, int64_t K, int64_t N, c10::BFloat16* out) {
+template <int MR, typename O>
+inline void q4_group(const QRows& q, int64_t m0, const uint8_t* w, const at::Half* d,
+                     const at::Half* mw, int64_t g, int64_t K, int64_t N, O* out) {
   const int64_t B = K / 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wg = w + g * B * 256;
@@ -558,14 +620,218 @@ inline void q4_group(const Q4Rows& q, int64_t m0, const uint8_t* w, const at::Ha
       acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(q.sx[at]), acc[r]);
     }
   }
-  const int64_t live = std::min<int64_t>(16, N - g * 16);  // the last group may be short
-  const __mmask16 keep = live == 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
-  for (int r = 0; r < MR; ++r) {  // bf16, nearest even
-    const __m256i h = (__m256i)_mm512_cvtneps_pbh(acc[r]);
-    _mm256_mask_storeu_epi16(out + (m0 + r) * N + g * 16, keep, h);
+  const int64_t live = N - g * 16;  // the last group may be short
+  for (int r = 0; r < MR; ++r) store16(out + (m0 + r) * N + g * 16, acc[r], live);
+}
+#endif  // TOKENFLEET_VNNI
+
+#ifdef TOKENFLEET_INT_AVX2
+template <typename S>
+inline float quantize_block32(const S* src, int8_t* dst, int32_t& qsum) {  // as above
+  __m256 f[4];
+  for (int i = 0; i < 4; ++i) f[i] = widen8(src + 8 * i);  // (the attention section's)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1]));
+  m = _mm256_max_ps(m, _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float d = _mm_cvtss_f32(m4) / 127.0f;
+  const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+  const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i)
+    q[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv)), hi), lo);
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+  qsum = _mm_cvtsi128_si32(s4);
+  // packing works within 128-bit lanes: 4-byte groups come out as q0 0-3, q1 0-3, q2 0-3,
+  // q3 0-3, q0 4-7, ...; the permute puts them back in order
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), ordered);
+  return d;
+}
+
+inline void store8(float* out, __m256 v, int64_t live) {
+  if (live >= 8) {
+    _mm256_storeu_ps(out, v);
+  } else {
+    alignas(32) float t[8];
+    _mm256_store_ps(t, v);
+    std::memcpy(out, t, live * sizeof(float));
   }
 }
+inline void store8(c10::BFloat16* out, __m256 v, int64_t live) {  // bf16, nearest even
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  if (live >= 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
+  } else {
+    alignas(16) uint16_t t[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(t), h);
+    std::memcpy(out, t, live * sizeof(uint16_t));
+  }
+}
+
+// AVX2 has 16 vector registers: a group's 16 outputs go as two halves of 8, each a pass
+// over its 32-byte half of every 64-byte step (the other half's pass finds the group's
+// weights in L1/L2), with up to 4 rows' sums in registers.
+template <int MR, typename O>
+inline void q8_group(const QRows& q, int64_t m0, const int8_t* w, const float* ws, int64_t g,
+                     int64_t K, int64_t N, O* out) {
+  const int64_t B = K / 32;
+  const int8_t* wg = w + g * 16 * K;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    const int64_t live = std::min<int64_t>(8, N - g * 16 - h * 8);
+    if (live <= 0) break;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      __m256i isum[MR];
+      for (int r = 0; r < MR; ++r) isum[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 8 + c) * 64 + h * 32));
+        for (int r = 0; r < MR; ++r) {
+          const __m256i x = _mm256_set1_epi32(four_bytes(q.qx.data() + (m0 + r) * K + b * 32 + c * 4));
+          const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(x, x), _mm256_sign_epi8(v, x));
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, ones));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const __m256 dx = _mm256_set1_ps(q.dx[(m0 + r) * B + b]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), dx, acc[r]);
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(ws + g * 16 + h * 8);
+    for (int r = 0; r < MR; ++r)
+      store8(out + (m0 + r) * N + g * 16 + h * 8, _mm256_mul_ps(acc[r], scale), live);
+  }
+}
+
+template <int MR, typename O>
+inline void q4_group(const QRows& q, int64_t m0, const uint8_t* w, const at::Half* d,
+                     const at::Half* mw, int64_t g, int64_t K, int64_t N, O* out) {
+  const int64_t B = K / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint8_t* wg = w + g * B * 256;
+  const uint16_t* dg = reinterpret_cast<const uint16_t*>(d) + g * B * 16;
+  const uint16_t* mg = reinterpret_cast<const uint16_t*>(mw) + g * B * 16;
+  for (int h = 0; h < 2; ++h) {
+    const int64_t live = std::min<int64_t>(8, N - g * 16 - h * 8);
+    if (live <= 0) break;
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      __m256i s16[MR];  // a block's products in int16 (module comment)
+      for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + (b * 4 + c) * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xr = q.qx.data() + (m0 + r) * K + b * 32 + c * 8;
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_bytes(xr))));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_bytes(xr + 4))));
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dg + b * 16 + h * 8)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mg + b * 16 + h * 8)));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (m0 + r) * B + b;
+        const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(q.dx[at]));
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones));
+        acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
+        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(q.sx[at]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) store8(out + (m0 + r) * N + g * 16 + h * 8, acc[r], live);
+  }
+}
+#endif  // TOKENFLEET_INT_AVX2
+
+#ifdef TOKENFLEET_INT_KERNELS
+template <typename S>
+inline void quantize_rows(const S* x, int64_t M, int64_t K, QRows& q) {
+  const int64_t B = K / 32;
+  q.qx.resize(M * K);
+  q.dx.resize(M * B);
+  q.sx.resize(M * B);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < B; ++b) {
+      int32_t sum;
+      const float d = quantize_block32(x + m * K + b * 32, q.qx.data() + m * K + b * 32, sum);
+      q.dx[m * B + b] = d;
+      q.sx[m * B + b] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+// The rows of x in tiles (8, 4, 2 and 1 rows on AVX-512; 4, 2, 1 on AVX2), every group
+// of 16 outputs shared among the threads. T: x's and y's element type.
+template <typename T, typename Group>
+void int_matmul_as(const at::Tensor& x, at::Tensor& out, int64_t groups, Group group) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QRows q;
+  quantize_rows(x.data_ptr<T>(), M, K, q);
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int64_t m = 0;
+#ifdef TOKENFLEET_VNNI
+      for (; m + 8 <= M; m += 8) group(std::integral_constant<int, 8>(), q, m, g, op);
 #endif
+      for (; m + 4 <= M; m += 4) group(std::integral_constant<int, 4>(), q, m, g, op);
+      for (; m + 2 <= M; m += 2) group(std::integral_constant<int, 2>(), q, m, g, op);
+      for (; m < M; ++m) group(std::integral_constant<int, 1>(), q, m, g, op);
+    }
+  });
+}
+
+template <typename Group>
+void int_matmul(const at::Tensor& x, at::Tensor& out, int64_t groups, Group group) {
+  if (x.scalar_type() == at::kBFloat16)
+    int_matmul_as<c10::BFloat16>(x, out, groups, group);
+  else
+    int_matmul_as<float>(x, out, groups, group);
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 1,
+              "x [M, K], w [N rounded up to 16, K], scales [N rounded up to 16]");
+  const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K && R % 16 == 0 && scales.size(0) == R &&
+                  N > R - 16 && N <= R,
+              "int8_linear: shapes do not match");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
+              "int8_linear: x bf16 or float32, w int8, scales float32");
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#ifdef TOKENFLEET_INT_KERNELS
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  auto sc = scales.contiguous();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  auto group = [&](auto mr, const QRows& q, int64_t m, int64_t g, auto* op) {
+    q8_group<decltype(mr)::value>(q, m, wp, sp, g, K, N, op);
+  };
+  int_matmul(xc, out, R / 16, group);
+  return out;
+#else
+  TORCH_CHECK(false, "int8_linear needs AVX2 or AVX512-VNNI (tokenfleet::int_kernels() is empty here)");
+  return out;
+#endif
+}
 
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && dm.dim() == 4 && dm.size(0) == 2 && dm.size(3) == 16,
@@ -574,32 +840,25 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK(K % 32 == 0 && w.size(1) * 2 == K && w.size(0) == G * 16 && dm.size(2) * 32 == K &&
                   N > (G - 1) * 16 && N <= G * 16,
               "q4_linear: shapes do not match");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kByte &&
-                  dm.scalar_type() == at::kHalf,
-              "q4_linear: x bf16, w uint8, dm float16");
+  TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  w.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf,
+              "q4_linear: x bf16 or float32, w uint8, dm float16");
   auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-#ifdef TOKENFLEET_VNNI
+#ifdef TOKENFLEET_INT_KERNELS
   auto xc = x.contiguous();
   auto wc = w.contiguous();
   auto dc = dm.contiguous();
-  Q4Rows q;
-  quantize_q4_rows(xc.data_ptr<c10::BFloat16>(), M, K, q);
   const uint8_t* wp = wc.data_ptr<uint8_t>();
   const at::Half* dp = dc.data_ptr<at::Half>();
   const at::Half* mp = dp + G * (K / 32) * 16;
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, G, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      int64_t m = 0;
-      for (; m + 8 <= M; m += 8) q4_group<8>(q, m, wp, dp, mp, g, K, N, op);
-      for (; m + 4 <= M; m += 4) q4_group<4>(q, m, wp, dp, mp, g, K, N, op);
-      for (; m < M; ++m) q4_group<1>(q, m, wp, dp, mp, g, K, N, op);
-    }
-  });
+  auto group = [&](auto mr, const QRows& q, int64_t m, int64_t g, auto* op) {
+    q4_group<decltype(mr)::value>(q, m, wp, dp, mp, g, K, N, op);
+  };
+  int_matmul(xc, out, G, group);
   return out;
 #else
-  TORCH_CHECK(false, "q4_linear needs AVX512-VNNI (tokenfleet::int8_vnni() is false here)");
+  TORCH_CHECK(false, "q4_linear needs AVX2 or AVX512-VNNI (tokenfleet::int_kernels() is empty here)");
   return out;
 #endif
 }
@@ -946,6 +1205,18 @@ bool int8_vnni() {
 #endif
 }
 
+// Which build of int8_linear / q4_linear this library holds: "avx512-vnni", "avx2", or ""
+// (neither: the ops refuse, model/quant.py keeps torch's layouts).
+std::string int_kernels() {
+#if defined(TOKENFLEET_VNNI)
+  return "avx512-vnni";
+#elif defined(TOKENFLEET_INT_AVX2)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokenfleet, m) {
@@ -957,6 +1228,7 @@ TORCH_LIBRARY(tokenfleet, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
   m.def("int8_vnni() -> bool", &int8_vnni);
+  m.def("int_kernels() -> str", &int_kernels);
   m.def(
       "decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_new, Tensor? v_new, "
       "Tensor tables, Tensor past, int layer, int block_size, int window) -> Tensor");
