@@ -14,7 +14,7 @@ import torch
 
 from tests.test_attention_shared import group
 from tokenfleet.model import auto as auto_mod
-from tokenfleet.model import load_model
+from tokenfleet.model import load_model, quant
 from tokenfleet.model.attention import paged_cpu, sdpa
 from tokenfleet.model.auto import PROBE_ROWS, plan_engine
 from tokenfleet.model.compiled import compile_model
@@ -383,7 +383,7 @@ def test_smollm2_default_start_serves_what_fp32_would_pick(redis_url: str) -> No
     # narrow weights in their 16-row layouts), else the compiled graph, saying why
     if not paged_cpu.load():
         assert info["decode_path"] is None, info
-    elif info["dtype"] == "bfloat16" and torch.ops.tokenfleet.int8_vnni():
+    elif quant.int_kernels():  # bf16 or float32 (a CPU without bf16) alike
         assert info["decode_path"] == "native", info
     else:
         assert str(info["decode_path"]).startswith("compiled ("), info

@@ -90,12 +90,12 @@ def test_the_native_stack_decodes_the_file_as_eager_does(monkeypatch: pytest.Mon
     packed kernels quantize their inputs), and the logits of that step move a little."""
     import copy
 
-    from tokenfleet.model.attention import paged_cpu
     from tokenfleet.model.native_decode import NativeDecode
+    from tokenfleet.model.quant import int_kernels
     from tokenfleet.model.tick_inputs import SeqInput
 
-    if not paged_cpu.load() or not torch.ops.tokenfleet.int8_vnni():
-        pytest.skip("the stack's int8 kernel needs AVX512-VNNI")
+    if not int_kernels():
+        pytest.skip("the stack's int8 kernel needs AVX2 or AVX512-VNNI")
     monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")
     model = load_model(PRESET, dtype="bfloat16", device="cpu").model
     model.add_narrow("int8", 16)

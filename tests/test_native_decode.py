@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers.models import REFERENCE_CONFIGS, make_hf_llama, save_hf_llama
-from tokenfleet.model import load_model
+from tokenfleet.model import load_model, quant
 from tokenfleet.model.attention import paged_cpu
 from tokenfleet.model.compiled import compile_model
 from tokenfleet.model.config import FULL, SLIDING
@@ -23,8 +23,7 @@ from tokenfleet.model.tick_inputs import SeqInput
 
 needs_kernel = pytest.mark.skipif(not paged_cpu.load(), reason=f"{paged_cpu.failure()}")
 needs_vnni = pytest.mark.skipif(
-    not paged_cpu.load() or not torch.ops.tokenfleet.int8_vnni(),
-    reason="the packed kernels need AVX512-VNNI",
+    not quant.int_kernels(), reason="the packed kernels need AVX2 or AVX512-VNNI"
 )
 
 
@@ -39,11 +38,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_hf_llama(hf, tmp_path_factory.mktemp("native") / "llama"))
 
 
-def _tiny(checkpoint: str, weights: str) -> LlamaModel:
-    """The checkpoint in bf16 with the weight set a worker would decode on: the dense
-    one, a narrow int8 or int4 set beside it (the default start), or all int8
-    (`--quant`)."""
-    model = load_model(checkpoint, dtype="bfloat16", device="cpu").model
+def _tiny(checkpoint: str, weights: str, dtype: str = "bfloat16") -> LlamaModel:
+    """The checkpoint in bf16 (or float32: a default start on a CPU without bf16) with the
+    weight set a worker would decode on: the dense one, a narrow int8 or int4 set beside
+    it (the default start), or all int8 (`--quant`, bf16 only)."""
+    model = load_model(checkpoint, dtype=dtype, device="cpu").model
     if weights in ("int8", "int4"):
         model.add_narrow(weights, 4)
     elif weights == "quantized":
@@ -65,23 +64,26 @@ def _prefill(model: LlamaModel, rows: int, length: int, blocks: int = 8) -> tupl
 
 @needs_kernel
 @pytest.mark.parametrize(
-    "weights",
+    ("weights", "dtype"),
     [
-        "dense",
-        pytest.param("int8", marks=needs_vnni),
-        pytest.param("int4", marks=needs_vnni),
-        pytest.param("quantized", marks=needs_vnni),
+        ("dense", "bfloat16"),
+        pytest.param("int8", "bfloat16", marks=needs_vnni),
+        pytest.param("int4", "bfloat16", marks=needs_vnni),
+        pytest.param("quantized", "bfloat16", marks=needs_vnni),  # --quant: bf16 only
+        ("dense", "float32"),
+        pytest.param("int8", "float32", marks=needs_vnni),
+        pytest.param("int4", "float32", marks=needs_vnni),
     ],
 )
 def test_the_stack_follows_the_eager_forward_step_by_step(
-    weights: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
+    weights: str, dtype: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy decoding of three rows for 14 steps (across block edges): the stack's
     logits are the eager forward's with the same attention kernel, up to the order of a
     norm's sum (a last bf16 bit now and then); the same greedy tokens; the same K/V in
-    the pool."""
+    the pool. A float32 model keeps float32 between ops, as its eager forward does."""
     monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")  # eager attends with the kernel
-    _follows_eager(_tiny(checkpoint, weights), narrow=weights in ("int8", "int4"))
+    _follows_eager(_tiny(checkpoint, weights, dtype), narrow=weights in ("int8", "int4"))
 
 
 def _follows_eager(model: LlamaModel, narrow: bool, kv_exact: bool = True) -> None:
@@ -233,9 +235,10 @@ def test_without_each_familys_extra_the_stack_differs(family: str, tmp_path: Pat
     assert (full - cut).abs().max() > 0.01
 
 
-def test_a_float32_model_is_not_served() -> None:
+def test_a_float16_model_is_not_served() -> None:
     model = load_model("tiny-random", dtype="float32", device="cpu").model
-    assert "bfloat16" in str(unsupported(model, False))
+    model.to(torch.float16)
+    assert "a bf16 or float32 model" in str(unsupported(model, False))
 
 
 @needs_kernel

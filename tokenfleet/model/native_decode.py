@@ -12,13 +12,13 @@ it. The weights are bound once, when the stack is built.
 
 It serves the decode ticks of every family tokenfleet loads (Llama / SmolLM2, Mistral,
 Qwen2's projection biases, Qwen3's q/k norms, Gemma 3's float32-scaled norms, output
-norms, query scale, GeGLU and sliding-window layers) for a bf16 model on the CPU, with
-dense bf16, int8 or int4 weights in tokenfleet's 16-row layouts; `unsupported()` says
-why not for any other (a float32 model, weights in torch's packed layout, the
-deterministic mode's row tiles), which keeps the compiled decode graph. Its arithmetic
-is the eager forward's op by op (`layers.py`: float32 inside an op, bf16 between ops),
-so nothing is compiled for it: the worker starts without the decode graph's minutes of
-compiling.
+norms, query scale, GeGLU and sliding-window layers) for a bf16 or a float32 model (what
+a default start serves on a CPU without bf16) on the CPU, with dense weights in the
+model's dtype or int8 / int4 ones in tokenfleet's 16-row layouts; `unsupported()` says
+why not for any other (weights in torch's packed layout, the deterministic mode's row
+tiles), which keeps the compiled decode graph. Its arithmetic is the eager forward's op
+by op (`layers.py`: float32 inside an op, bf16 between ops for a bf16 model), so nothing
+is compiled for it: the worker starts without the decode graph's minutes of compiling.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ if TYPE_CHECKING:
 _DENSE, _INT8, _INT4 = 0, 1, 2
 
 
-def _kind(w: Tensor | PackedWeight) -> int | str:
+def _kind(w: Tensor | PackedWeight, dtype: torch.dtype) -> int | str:
     """A projection's kernel in the stack, or why it has none."""
     if isinstance(w, Tensor):
-        return _DENSE if w.dtype == torch.bfloat16 else f"a dense {w.dtype} weight"
+        return _DENSE if w.dtype == dtype else f"a dense {w.dtype} weight in a {dtype} model"
     if not w.rows16:
         return f"{w.kind} weights in torch's packed layout"
     return _INT8 if w.kind == "int8" else _INT4
@@ -56,15 +56,17 @@ def unsupported(model: LlamaModel, narrow: bool) -> str | None:
     """Why the stack cannot run `model`'s decode ticks on its dense or narrow weight set
     (None: it can)."""
     shape = model.shape
-    if model.device.type != "cpu" or model.dtype != torch.bfloat16:
-        return f"a bfloat16 model on the CPU only (this one: {model.dtype} on {model.device})"
+    if model.device.type != "cpu" or model.dtype not in (torch.bfloat16, torch.float32):
+        return (
+            f"a bf16 or float32 model on the CPU only (this one: {model.dtype} on {model.device})"
+        )
     if shape.row_tile or shape.min_rows or shape.one_kernel:
         return "deterministic row tiles run eagerly"
     if not paged_cpu.load():
         return f"the C++ kernels did not build: {paged_cpu.failure()}"
     for attn_w, mlp_w in model.layer_weights(narrow):
         for w in (attn_w.qkv, mlp_w.o, mlp_w.gate_up, mlp_w.down):
-            kind = _kind(w)
+            kind = _kind(w, model.dtype)
             if isinstance(kind, str):
                 return kind
     return None
@@ -118,7 +120,8 @@ class NativeDecode:
         for attn_w, mlp_w in model.layer_weights(narrow):
             assert isinstance(attn_w, AttnWeights) and isinstance(mlp_w, MlpWeights)
             weights += _layer(attn_w, mlp_w)
-            kinds += [int(_kind(w)) for w in (attn_w.qkv, mlp_w.o, mlp_w.gate_up, mlp_w.down)]
+            ws = (attn_w.qkv, mlp_w.o, mlp_w.gate_up, mlp_w.down)
+            kinds += [int(_kind(w, model.dtype)) for w in ws]
         windows = [cfg.window_of(i) or 0 for i in range(cfg.num_layers)]
         s = model.shape
         self.narrow = narrow

@@ -338,7 +338,12 @@ def _compile(
     if model.narrow is not None or loaded.quant is not None:
         from tokenfleet.model.compiled import install_native_decode
 
-        if install_native_decode(model):
+        try:
+            installed = install_native_decode(model)
+        except RuntimeError as e:  # an optional fast path: the model still decodes eagerly
+            logger.warning("the native decode stack did not start, decoding eagerly: %s", e)
+            installed = False
+        if installed:
             info["decode_graph"] = True
             info["decode_path"] = _decode_path(model)
     return info

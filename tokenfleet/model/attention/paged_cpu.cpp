@@ -20,6 +20,7 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -874,10 +875,11 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // the calling thread (a tick's rows are few) and the matmul and attention kernels are
 // called directly.
 //
-// The arithmetic is eager PyTorch's for a bf16 model, op by op: each op computes in
+// The arithmetic is eager PyTorch's, op by op: for a bf16 model each op computes in
 // float32 from bf16 inputs and rounds its result to bf16 (nearest even), as the eager
-// forward (`tokenfleet/model/layers.py`) does. Only the order of a norm's sum of squares
-// may differ from torch's.
+// forward (`tokenfleet/model/layers.py`) does; a float32 model (a CPU without bf16)
+// keeps float32 throughout. Only the order of a norm's sum of squares may differ from
+// torch's. The two are one code, over the storage types below.
 
 inline float bf(uint16_t h) {  // bf16 bits -> float (exact)
   const uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -895,33 +897,52 @@ inline uint16_t to_bf(float f) {  // float -> bf16 bits, nearest even (finite va
 
 inline float round_bf(float f) { return bf(to_bf(f)); }
 
-// One row of n values normalised, as layers.rms_norm: out = w * (x / rms(x)).to(bf16)
+// What the stack stores between ops: bf16 bits, each op's result rounded; or float32.
+struct Bf16 {
+  using S = uint16_t;     // as stored
+  using T = c10::BFloat16;  // as torch names it
+  static constexpr at::ScalarType kType = at::kBFloat16;
+  static float get(S h) { return bf(h); }
+  static S put(float f) { return to_bf(f); }
+  static float round(float f) { return round_bf(f); }
+};
+struct F32 {
+  using S = float;
+  using T = float;
+  static constexpr at::ScalarType kType = at::kFloat;
+  static float get(S f) { return f; }
+  static S put(float f) { return f; }
+  static float round(float f) { return f; }
+};
+
+// One row of n values normalised, as layers.rms_norm: out = w * (x / rms(x)).to(dtype)
 // (Llama), or with `fp32_scale` (Gemma) (x / rms(x) * w) in float32 before rounding.
 // In place (out == x) is fine: each value is read before it is written.
-inline void rms_norm_row(const uint16_t* x, const uint16_t* w, int64_t n, float eps,
-                         bool fp32_scale, uint16_t* out) {
+template <typename D, typename S = typename D::S>
+inline void rms_norm_row(const S* x, const S* w, int64_t n, float eps, bool fp32_scale, S* out) {
   float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += bf(x[i]) * bf(x[i]);
+  for (int64_t i = 0; i < n; ++i) ss += D::get(x[i]) * D::get(x[i]);
   const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
   if (fp32_scale) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(x[i]) * r * bf(w[i]));
+    for (int64_t i = 0; i < n; ++i) out[i] = D::put(D::get(x[i]) * r * D::get(w[i]));
   } else {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) out[i] = to_bf(bf(w[i]) * round_bf(bf(x[i]) * r));
+    for (int64_t i = 0; i < n; ++i) out[i] = D::put(D::get(w[i]) * D::round(D::get(x[i]) * r));
   }
 }
 
 // layers.rotate on one head of hd values: x * cos + rotate_half(x) * sin
-inline void rope_head(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t hd,
-                      uint16_t* out) {
+template <typename D, typename S = typename D::S>
+inline void rope_head(const S* x, const S* c, const S* s, int64_t hd, S* out) {
   const int64_t half = hd / 2;
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
-    const float x1 = bf(x[i]), x2 = bf(x[i + half]);
-    out[i] = to_bf(round_bf(x1 * bf(c[i])) + round_bf(-x2 * bf(s[i])));
-    out[i + half] = to_bf(round_bf(x2 * bf(c[i + half])) + round_bf(x1 * bf(s[i + half])));
+    const float x1 = D::get(x[i]), x2 = D::get(x[i + half]);
+    out[i] = D::put(D::round(x1 * D::get(c[i])) + D::round(-x2 * D::get(s[i])));
+    out[i + half] =
+        D::put(D::round(x2 * D::get(c[i + half])) + D::round(x1 * D::get(s[i + half])));
   }
 }
 
@@ -953,9 +974,10 @@ class DecodeStack : public torch::CustomClassHolder {
   // Per layer, kPerLayer tensors (an empty tensor where the model has none): [attn norm,
   // qkv, qkv scales, qkv bias, q norm, k norm, o, o scales, o bias, attn out norm, mlp
   // norm, gate_up, gate_up scales, gate_up bias, down, down scales, down bias, mlp out
-  // norm]. kinds: per layer and projection (qkv, o, gate_up, down) 0 dense bf16 [N, K]
-  // (its scales empty), 1 int8 rows16, 2 int4 rows16. fp32_scale and query_scale are
-  // Gemma's (layers.rms_norm's scale_fp32, LayerShape.query_scale).
+  // norm]. kinds: per layer and projection (qkv, o, gate_up, down) 0 dense [N, K] (its
+  // scales empty), 1 int8 rows16, 2 int4 rows16. fp32_scale and query_scale are Gemma's
+  // (layers.rms_norm's scale_fp32, LayerShape.query_scale). The model's dtype (bf16 or
+  // float32) is the final norm's: every vector, dense weight, input and pool has it.
   static constexpr int64_t kPerLayer = 18;
   enum Slot : int64_t {
     kAttnNorm, kQkv, kQkvScales, kQkvBias, kQNorm, kKNorm,
@@ -968,7 +990,7 @@ class DecodeStack : public torch::CustomClassHolder {
               int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t inter, double eps,
               bool gelu, bool fp32_scale, double query_scale)
       : w_(std::move(weights)), kinds_(std::move(kinds)), windows_(std::move(windows)),
-        final_norm_(std::move(final_norm)), H_(heads), KVH_(kv_heads), hd_(head_dim),
+        final_norm_(std::move(final_norm)), dtype_(final_norm_.scalar_type()), H_(heads), KVH_(kv_heads), hd_(head_dim),
         hidden_(hidden), inter_(inter), eps_(static_cast<float>(eps)), gelu_(gelu),
         fp32_scale_(fp32_scale), query_scale_(static_cast<float>(query_scale)) {
     const int64_t L = static_cast<int64_t>(windows_.size());
@@ -979,54 +1001,75 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const auto& t : w_)
       TORCH_CHECK(t.numel() == 0 || t.is_contiguous(), "DecodeStack: weights must be contiguous");
     for (int64_t k : kinds_) TORCH_CHECK(k >= 0 && k <= 2, "DecodeStack: unknown weight kind");
-    // the loops read these without bounds: bf16 vectors of the length they assume
-    auto vec_ok = [](const at::Tensor& t, int64_t n, bool optional) {
+    TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat,
+                "DecodeStack: a bf16 or float32 model");
+    // the loops read these without bounds: vectors of the dtype and length they assume
+    auto vec_ok = [this](const at::Tensor& t, int64_t n, bool optional) {
       if (optional && t.numel() == 0) return true;
-      return t.scalar_type() == at::kBFloat16 && t.dim() == 1 && t.numel() == n;
+      return t.scalar_type() == dtype_ && t.dim() == 1 && t.numel() == n;
     };
     const int64_t qkv_n = (H_ + 2 * KVH_) * hd_;
-    TORCH_CHECK(vec_ok(final_norm_, hidden_, false), "DecodeStack: norm weights [hidden] bf16");
+    TORCH_CHECK(vec_ok(final_norm_, hidden_, false), "DecodeStack: norm weights [hidden] in the model dtype");
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = w_.data() + kPerLayer * l;
       TORCH_CHECK(vec_ok(w[kAttnNorm], hidden_, false) && vec_ok(w[kMlpNorm], hidden_, false) &&
                       vec_ok(w[kAttnOutNorm], hidden_, true) &&
                       vec_ok(w[kMlpOutNorm], hidden_, true),
-                  "DecodeStack: norm weights [hidden] bf16");
+                  "DecodeStack: norm weights [hidden] in the model dtype");
       TORCH_CHECK((w[kQNorm].numel() == 0) == (w[kKNorm].numel() == 0) &&
                       vec_ok(w[kQNorm], hd_, true) && vec_ok(w[kKNorm], hd_, true),
-                  "DecodeStack: q/k norm weights [head_dim] bf16, both or neither");
+                  "DecodeStack: q/k norm weights [head_dim], both or neither");
       TORCH_CHECK(vec_ok(w[kQkvBias], qkv_n, true) && vec_ok(w[kOBias], hidden_, true) &&
                       vec_ok(w[kGateUpBias], 2 * inter_, true) &&
                       vec_ok(w[kDownBias], hidden_, true),
-                  "DecodeStack: bias [out features] bf16");
+                  "DecodeStack: bias [out features] in the model dtype");
     }
-#ifndef TOKENFLEET_VNNI
-    for (int64_t k : kinds_) TORCH_CHECK(k == 0, "DecodeStack: packed weights need AVX512-VNNI");
+    for (int64_t i = 0; i < static_cast<int64_t>(kinds_.size()); ++i) {
+      const at::Tensor& m = w_[kPerLayer * (i / 4) + std::array<int64_t, 4>{kQkv, kO, kGateUp, kDown}[i % 4]];
+      TORCH_CHECK(kinds_[i] != 0 || m.scalar_type() == dtype_,
+                  "DecodeStack: dense weights in the model dtype");
+    }
+#ifndef TOKENFLEET_INT_KERNELS
+    for (int64_t k : kinds_)
+      TORCH_CHECK(k == 0, "DecodeStack: packed weights need AVX2 or AVX512-VNNI");
 #endif
   }
 
-  // x [B, hidden] bf16 (the embedded tokens); cos/sin and the sliding layers' wcos/wsin
-  // [B, hd] bf16; pools [layers, S, KVH, hd]; tables [B, W] int32; positions [B] int64
-  // (each row's new token's); slots [B] int64 (where its K/V go in the pools). Writes
-  // every layer's new K/V into the pools and returns the final norm's output [B, hidden].
+  // x [B, hidden] (the embedded tokens); cos/sin and the sliding layers' wcos/wsin
+  // [B, hd]; pools [layers, S, KVH, hd] (all in the model dtype); tables [B, W] int32;
+  // positions [B] int64 (each row's new token's); slots [B] int64 (where its K/V go in
+  // the pools). Writes every layer's new K/V into the pools and returns the final norm's
+  // output [B, hidden].
   at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor wcos, at::Tensor wsin,
                  at::Tensor k_pool, at::Tensor v_pool, at::Tensor tables, at::Tensor positions,
                  at::Tensor slots, int64_t block_size) {
+    if (dtype_ == at::kFloat)
+      return run_as<F32>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
+    return run_as<Bf16>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
+  }
+
+ private:
+  template <typename D>
+  at::Tensor run_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& wcos, const at::Tensor& wsin, const at::Tensor& k_pool,
+                    const at::Tensor& v_pool, const at::Tensor& tables,
+                    const at::Tensor& positions, const at::Tensor& slots, int64_t block_size) {
+    using E = typename D::S;  // (S is the pool's slot count)
     const int64_t B = x.size(0), L = static_cast<int64_t>(windows_.size());
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kBFloat16,
-                "DecodeStack.run: x [B, hidden] bf16");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == dtype_,
+                "DecodeStack.run: x [B, hidden] in the model dtype");
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == L && k_pool.size(2) == KVH_ &&
-                    k_pool.size(3) == hd_ && k_pool.scalar_type() == at::kBFloat16 &&
-                    k_pool.sizes() == v_pool.sizes() && k_pool.is_contiguous() &&
-                    v_pool.is_contiguous(),
-                "DecodeStack.run: pools [layers, S, KVH, hd] bf16, contiguous");
+                    k_pool.size(3) == hd_ && k_pool.scalar_type() == dtype_ &&
+                    k_pool.sizes() == v_pool.sizes() && v_pool.scalar_type() == dtype_ &&
+                    k_pool.is_contiguous() && v_pool.is_contiguous(),
+                "DecodeStack.run: pools [layers, S, KVH, hd] in the model dtype, contiguous");
     TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && tables.size(0) == B &&
                     positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
                 "DecodeStack.run: one position, slot and table row per row");
     for (const auto* t : {&cos, &sin, &wcos, &wsin})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == hd_ &&
-                      t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
-                  "DecodeStack.run: cos/sin [B, hd] bf16");
+                      t->scalar_type() == dtype_ && t->is_contiguous(),
+                  "DecodeStack.run: cos/sin [B, hd] in the model dtype");
     const int64_t S = k_pool.size(1), row = KVH_ * hd_, qn = H_ * hd_;
     const int64_t* sp = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sp[b] >= 0 && sp[b] < S, "DecodeStack.run: slot out of the pool");
@@ -1042,90 +1085,97 @@ class DecodeStack : public torch::CustomClassHolder {
     auto q = at::empty({B, H_, hd_}, x.options());
     auto act = at::empty({B, inter_}, x.options());
     auto past = positions + 1;  // each row's keys in the pool once its own is written
-    auto xs = reinterpret_cast<uint16_t*>(h.data_ptr<c10::BFloat16>());
-    auto ns = reinterpret_cast<uint16_t*>(normed.data_ptr<c10::BFloat16>());
-    auto qs = reinterpret_cast<uint16_t*>(q.data_ptr<c10::BFloat16>());
-    auto as = reinterpret_cast<uint16_t*>(act.data_ptr<c10::BFloat16>());
-    auto kp = reinterpret_cast<uint16_t*>(k_pool.data_ptr<c10::BFloat16>());
-    auto vp = reinterpret_cast<uint16_t*>(v_pool.data_ptr<c10::BFloat16>());
-    std::vector<uint16_t> head(hd_);  // a head between its q/k norm and its rope
+    E* xs = data<D>(h);
+    E* ns = data<D>(normed);
+    E* qs = data<D>(q);
+    E* as = data<D>(act);
+    E* kp = data<D>(k_pool);
+    E* vp = data<D>(v_pool);
+    std::vector<E> head(hd_);  // a head between its q/k norm and its rope
 
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = w_.data() + kPerLayer * l;
       const int64_t* kind = kinds_.data() + 4 * l;
       const bool sliding = windows_[l] > 0;
-      const uint16_t* c = bits(sliding ? wcos : cos);
-      const uint16_t* s = bits(sliding ? wsin : sin);
-      const uint16_t* q_norm = w[kQNorm].numel() ? bits(w[kQNorm]) : nullptr;
-      const uint16_t* k_norm = w[kKNorm].numel() ? bits(w[kKNorm]) : nullptr;
+      const E* c = data<D>(sliding ? wcos : cos);
+      const E* s = data<D>(sliding ? wsin : sin);
+      const E* q_norm = w[kQNorm].numel() ? data<D>(w[kQNorm]) : nullptr;
+      const E* k_norm = w[kKNorm].numel() ? data<D>(w[kKNorm]) : nullptr;
       for (int64_t b = 0; b < B; ++b) {  // the rows this layer's K/V go to, for writing
         const char* kd = reinterpret_cast<const char*>(kp + (l * S + sp[b]) * row);
         const char* vd = reinterpret_cast<const char*>(vp + (l * S + sp[b]) * row);
-        for (int64_t at = 0; at < row * 2; at += 64) {
+        for (int64_t at = 0; at < row * static_cast<int64_t>(sizeof(E)); at += 64) {
           __builtin_prefetch(kd + at, 1, 3);
           __builtin_prefetch(vd + at, 1, 3);
         }
       }
 
-      norm_rows(xs, w[kAttnNorm], B, ns);
-      auto qkv = linear(normed, w[kQkv], w[kQkvScales], w[kQkvBias], kind[0], qn + 2 * row);
-      const uint16_t* qkvs = bits(qkv);
+      norm_rows<D>(xs, w[kAttnNorm], B, ns);
+      auto qkv = linear<D>(normed, w[kQkv], w[kQkvScales], w[kQkvBias], kind[0], qn + 2 * row);
+      const E* qkvs = data<D>(qkv);
       const int64_t width = qn + 2 * row;
       // q/k norm (Qwen3, Gemma 3) of one head, then its rope, into out
-      auto rotate = [&](const uint16_t* x, const uint16_t* norm, const uint16_t* cb,
-                        const uint16_t* sb, uint16_t* out) {
+      auto rotate = [&](const E* x, const E* norm, const E* cb, const E* sb, E* out) {
         if (norm) {
-          rms_norm_row(x, norm, hd_, eps_, fp32_scale_, head.data());
+          rms_norm_row<D>(x, norm, hd_, eps_, fp32_scale_, head.data());
           x = head.data();
         }
-        rope_head(x, cb, sb, hd_, out);
+        rope_head<D>(x, cb, sb, hd_, out);
       };
       for (int64_t b = 0; b < B; ++b) {
-        const uint16_t* r = qkvs + b * width;
-        const uint16_t* cb = c + b * hd_;
-        const uint16_t* sb = s + b * hd_;
-        uint16_t* qb = qs + b * qn;
+        const E* r = qkvs + b * width;
+        const E* cb = c + b * hd_;
+        const E* sb = s + b * hd_;
+        E* qb = qs + b * qn;
         for (int64_t i = 0; i < H_; ++i) rotate(r + i * hd_, q_norm, cb, sb, qb + i * hd_);
         if (query_scale_ != 1.0f)  // q * query_scale, rounded (Gemma 3)
-          for (int64_t i = 0; i < qn; ++i) qb[i] = to_bf(bf(qb[i]) * query_scale_);
+          for (int64_t i = 0; i < qn; ++i) qb[i] = D::put(D::get(qb[i]) * query_scale_);
         const int64_t at = (l * S + sp[b]) * row;
         for (int64_t i = 0; i < KVH_; ++i) rotate(r + qn + i * hd_, k_norm, cb, sb, kp + at + i * hd_);
-        std::memcpy(vp + at, r + qn + row, row * 2);
+        std::memcpy(vp + at, r + qn + row, row * sizeof(E));
       }
       auto att = at::empty_like(q);
-      attention(q, k_pool, v_pool, tab, past, l, block_size, windows_[l], att);
-      auto o = linear(att.view({B, qn}), w[kO], w[kOScales], w[kOBias], kind[1], hidden_);
-      residual(xs, o, w[kAttnOutNorm], B);
+      {
+        RECORD_FUNCTION("tokenfleet::decode_attention", std::vector<c10::IValue>());
+        decode_attention_for<typename D::T>(q, k_pool, v_pool, none_, none_, tab, past, l,
+                                            block_size, windows_[l], att);
+      }
+      auto o = linear<D>(att.view({B, qn}), w[kO], w[kOScales], w[kOBias], kind[1], hidden_);
+      residual<D>(xs, o, w[kAttnOutNorm], B);
 
-      norm_rows(xs, w[kMlpNorm], B, ns);
-      auto gu = linear(normed, w[kGateUp], w[kGateUpScales], w[kGateUpBias], kind[2], 2 * inter_);
-      const uint16_t* g = bits(gu);
-      for (int64_t b = 0; b < B; ++b) glu_row(g + b * 2 * inter_, g + b * 2 * inter_ + inter_, as + b * inter_);
-      auto down = linear(act, w[kDown], w[kDownScales], w[kDownBias], kind[3], hidden_);
-      residual(xs, down, w[kMlpOutNorm], B);
+      norm_rows<D>(xs, w[kMlpNorm], B, ns);
+      auto gu = linear<D>(normed, w[kGateUp], w[kGateUpScales], w[kGateUpBias], kind[2], 2 * inter_);
+      const E* g = data<D>(gu);
+      for (int64_t b = 0; b < B; ++b)
+        glu_row<D>(g + b * 2 * inter_, g + b * 2 * inter_ + inter_, as + b * inter_);
+      auto down = linear<D>(act, w[kDown], w[kDownScales], w[kDownBias], kind[3], hidden_);
+      residual<D>(xs, down, w[kMlpOutNorm], B);
     }
-    norm_rows(xs, final_norm_, B, ns);
+    norm_rows<D>(xs, final_norm_, B, ns);
     return normed;
   }
 
- private:
-  static const uint16_t* bits(const at::Tensor& t) {
-    return reinterpret_cast<const uint16_t*>(t.data_ptr<c10::BFloat16>());
+  template <typename D>
+  static typename D::S* data(const at::Tensor& t) {  // (checked against the dtype above)
+    return reinterpret_cast<typename D::S*>(t.data_ptr());
   }
 
-  void norm_rows(const uint16_t* x, const at::Tensor& w, int64_t B, uint16_t* out) const {
+  template <typename D, typename S = typename D::S>
+  void norm_rows(const S* x, const at::Tensor& w, int64_t B, S* out) const {
     for (int64_t b = 0; b < B; ++b)
-      rms_norm_row(x + b * hidden_, bits(w), hidden_, eps_, fp32_scale_, out + b * hidden_);
+      rms_norm_row<D>(x + b * hidden_, data<D>(w), hidden_, eps_, fp32_scale_, out + b * hidden_);
   }
 
   // x += y, y first normalised by `norm` where the model has one (Gemma 3's norms of the
   // attention's and the MLP's outputs)
-  void residual(uint16_t* x, at::Tensor& y, const at::Tensor& norm, int64_t B) const {
-    auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-    if (norm.numel()) norm_rows(ys, norm, B, ys);
-    add_into(x, ys, B * hidden_);
+  template <typename D, typename S = typename D::S>
+  void residual(S* x, at::Tensor& y, const at::Tensor& norm, int64_t B) const {
+    S* ys = data<D>(y);
+    if (norm.numel()) norm_rows<D>(ys, norm, B, ys);
+    add_into<D>(x, ys, B * hidden_);
   }
 
+  template <typename D>
   static at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                            const at::Tensor& bias, int64_t kind, int64_t n) {
     // named as the ops are, so a profile (bench/tick_profile.py) sees the kernels
@@ -1140,27 +1190,32 @@ class DecodeStack : public torch::CustomClassHolder {
       return bias.numel() ? at::linear(x, w, bias) : at::linear(x, w);
     }
     if (bias.numel()) {  // y + bias, rounded: layers.linear on packed weights
-      auto* ys = reinterpret_cast<uint16_t*>(y.data_ptr<c10::BFloat16>());
-      const uint16_t* bs = bits(bias);
-      for (int64_t r = 0; r < x.size(0); ++r) add_into(ys + r * n, bs, n);
+      typename D::S* ys = data<D>(y);
+      const typename D::S* bs = data<D>(bias);
+      for (int64_t r = 0; r < x.size(0); ++r) add_into<D>(ys + r * n, bs, n);
     }
     return y;
   }
 
-  static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {  // x = x + y
+  template <typename D, typename S = typename D::S>
+  static void add_into(S* x, const S* y, int64_t n) {  // x = x + y
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) x[i] = to_bf(bf(x[i]) + bf(y[i]));
+    for (int64_t i = 0; i < n; ++i) x[i] = D::put(D::get(x[i]) + D::get(y[i]));
   }
 
-  void glu_row(const uint16_t* gate, const uint16_t* up, uint16_t* out) const {
+  template <typename D, typename S = typename D::S>
+  void glu_row(const S* gate, const S* up, S* out) const {
     if (gelu_) {  // F.gelu(approximate="tanh")
       const float k = std::sqrt(2.0f / static_cast<float>(M_PI));
 #pragma omp simd
       for (int64_t i = 0; i < inter_; ++i) {
-        const float g = bf(gate[i]);
-        const float a = round_bf(0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))));
-        out[i] = to_bf(a * bf(up[i]));
+        const float g = D::get(gate[i]);
+        const float a = D::round(0.5f * g * (1.0f + std::tanh(k * (g + 0.044715f * g * g * g))));
+        out[i] = D::put(a * D::get(up[i]));
       }
+    } else if constexpr (std::is_same_v<D, F32>) {  // F.silu; expf vectorised by libmvec
+#pragma omp simd
+      for (int64_t i = 0; i < inter_; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     } else {  // F.silu
       int64_t i = 0;
 #ifdef TOKENFLEET_BF16_DOT
@@ -1179,18 +1234,11 @@ class DecodeStack : public torch::CustomClassHolder {
     }
   }
 
-  void attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                 const at::Tensor& tables, const at::Tensor& past, int64_t layer,
-                 int64_t block_size, int64_t window, at::Tensor& out) const {
-    RECORD_FUNCTION("tokenfleet::decode_attention", std::vector<c10::IValue>());
-    const c10::optional<at::Tensor> none;
-    decode_attention_for<c10::BFloat16>(q, k_pool, v_pool, none, none, tables, past, layer,
-                                        block_size, window, out);
-  }
-
   std::vector<at::Tensor> w_;
   std::vector<int64_t> kinds_, windows_;
   at::Tensor final_norm_;
+  at::ScalarType dtype_;
+  const c10::optional<at::Tensor> none_;
   int64_t H_, KVH_, hd_, hidden_, inter_;
   float eps_;
   bool gelu_, fp32_scale_;
