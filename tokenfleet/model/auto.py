@@ -139,7 +139,7 @@ def plan_engine(
     rows = _crossover(probe[best], dense)
     head_rows = min(rows, _crossover(probe["head_int8"], probe["head_dense"]))
     graph = compile_ and _kernel_builds()
-    how = "one graph per decode tick" if graph else "compiled pieces" if compile_ else "eager"
+    how = "whole decode ticks in one call" if graph else "compiled pieces" if compile_ else "eager"
     if rows == 0:
         why = f"dense {dtype} at every row count ({best} {probe[best][1]:.1f} ms vs dense "
         why += f"{dense[1]:.1f} ms per one-row tick of layer matmuls); {how}"
