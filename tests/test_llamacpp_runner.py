@@ -547,6 +547,22 @@ def test_budgets_are_what_llama_cpp_allocated(runner: LlamaCppRunner) -> None:
         Engine(runner, EngineConfig(kv_budget_bytes=4 * KV))
 
 
+def test_the_model_buffers_hold_each_weight_once(runner: LlamaCppRunner) -> None:
+    """What llama.cpp allocated for the model counts every tensor of the file, and none
+    twice. On an AMX CPU with repacking on, a mapped file spans every tensor, the
+    repacked ones too, beside the AMX buffer that holds them: 187 MiB logged for
+    SmolLM2's 92 MiB of tensors. What may be held twice is a tied output head: the
+    embedding stays in place for lookups, its repacked copy serves the matmul."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(runner.path)).tensors}
+    held = sum(tensors.values())
+    if runner.info["extra_bufts"] and "output.weight" not in tensors:
+        held += tensors["token_embd.weight"]  # the tied head, repacked beside the lookup table
+    model = runner.allocated["model"]
+    assert sum(tensors.values()) - MiB <= model <= held * 1.05, (model / MiB, held / MiB)
+
+
 def test_buffer_lines_are_read_as_llama_cpp_writes_them() -> None:
     lines = [
         "load_tensors:   CPU_Mapped model buffer size =    85.82 MiB\n",
