@@ -23,7 +23,11 @@ that (issue 25 part 2's measure: attention, norms, rope, KV writes, the compiled
 own code and guards), and "outside the forward" is the tick minus the forward (sampling,
 scheduling, bookkeeping). The profiled ops' top entries are recorded as the profile of
 what remains. The profiler's own cost lands in the profiled ticks only, never in the
-timed split. `--inductor NAME=VALUE,...` sets torch._inductor.config fields before the
+timed split. The timed forward and the profiled matmuls come from different ticks, so
+on a host whose speed drifts between rounds their difference drifts too: "outside the
+matmuls in the profiled ticks" takes both from the same ticks (the forward's span as
+the profiler saw it, less its matmuls' self time), at the cost of the profiler's own
+overhead per op (small for the native stack's few ops, larger for the graph's). `--inductor NAME=VALUE,...` sets torch._inductor.config fields before the
 model compiles (to try a setting; the worker sets none of them).
 
 `--decode native,graph` measures both ways of running a whole decode tick on the same
@@ -48,6 +52,7 @@ from report import figure, machine_info, mark_end, outputs, parser, spread, writ
 from tokenfleet.protocol import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
+FORWARD = "tick_profile::forward"  # the forward's own span in the profiled ticks
 # the ops that multiply by a weight matrix (their self time is the kernel's)
 MATMULS = (
     "aten::_weight_int4pack_mm_for_cpu",
@@ -80,7 +85,7 @@ def main() -> None:
 
     import torch
     import torch._inductor.config as inductor_config
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     inductor: dict[str, Any] = {}
     for pair in filter(None, args.inductor.split(",")):
@@ -114,7 +119,8 @@ def main() -> None:
     def timed_forward(*a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            return plain_forward(*a, **k)
+            with record_function(FORWARD):  # the profiled ticks' forward, inclusive
+                return plain_forward(*a, **k)
         finally:
             forward_s.append(time.perf_counter() - t0)
 
@@ -142,6 +148,7 @@ def main() -> None:
         tick_ms: dict[str, list[float]] = defaultdict(list)
         fwd_ms: dict[str, list[float]] = defaultdict(list)
         ops: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in variants}
+        same: dict[str, list[float]] = defaultdict(list)  # outside the matmuls, same ticks
         for _ in range(args.rounds):
             for name in variants:  # interleaved: each round runs every variant in turn
                 model.decode_graph = units[name]
@@ -155,13 +162,18 @@ def main() -> None:
                     for _ in range(args.ticks):
                         engine.step()
                 totals: dict[str, float] = defaultdict(float)
+                forward = 0.0  # the forward's span, inclusive, ms a tick
                 for event in prof.key_averages():
                     totals[event.key] += event.self_cpu_time_total / 1000 / args.ticks
+                    if event.key == FORWARD:
+                        forward += event.cpu_time_total / 1000 / args.ticks
+                same[name].append(forward - sum(totals.get(k, 0.0) for k in MATMULS))
                 for key, value in totals.items():
                     ops[name][key].append(value)
         for name in variants:
             label = str(batch) if variants == ["worker"] else f"{batch} {name}"
             results[label] = _split(tick_ms[name], fwd_ms[name], ops[name], args.rounds)
+            results[label]["outside_matmuls_same_ticks_ms"] = spread(same[name])
             _show(f"batch {label}", results[label])
         del engine
     report = {
@@ -221,6 +233,13 @@ def _show(label: str, r: dict[str, Any]) -> None:
         f" outside the forward {tick['median'] - fwd['median']:.2f}",
         flush=True,
     )
+    if "outside_matmuls_same_ticks_ms" in r:
+        same = r["outside_matmuls_same_ticks_ms"]
+        print(
+            f"    outside the matmuls in the profiled ticks: {same['median']:.2f} ms"
+            f" ({same['min']:.2f}-{same['max']:.2f})",
+            flush=True,
+        )
     for name, value in list(r["profile_ms_per_tick"].items())[:12]:
         print(f"    {value:7.3f} ms  {name}")
 

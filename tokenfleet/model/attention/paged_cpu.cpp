@@ -1245,14 +1245,6 @@ class DecodeStack : public torch::CustomClassHolder {
   float query_scale_;
 };
 
-bool int8_vnni() {
-#ifdef TOKENFLEET_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
-
 // Which build of int8_linear / q4_linear this library holds: "avx512-vnni", "avx2", or ""
 // (neither: the ops refuse, model/quant.py keeps torch's layouts).
 std::string int_kernels() {
@@ -1275,7 +1267,6 @@ TORCH_LIBRARY(tokenfleet, m) {
       .def("run", &DecodeStack::run);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
-  m.def("int8_vnni() -> bool", &int8_vnni);
   m.def("int_kernels() -> str", &int_kernels);
   m.def(
       "decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor? k_new, Tensor? v_new, "
