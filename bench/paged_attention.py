@@ -6,7 +6,7 @@ bfloat16,float32`, float32 (the pool of a float32 model: what `--dtype auto` ser
 CPU without bf16, an AVX2 EPYC say).
 
 Usage: python bench/paged_attention.py [--batches 1,8] [--contexts 128,512]
-           [--dtypes bfloat16] [--threads 2] [--rounds 5] [--calls 20]
+           [--dtypes bfloat16] [--threads 2] [--rounds 5] [--calls 20] [--resident]
            [--out bench/out/paged_attention.json] [--plot bench/out/paged_attention.png]
 
 For each (dtype, rows B, keys L): one "tick" is 30 calls, one per layer, each row with L keys
@@ -17,6 +17,12 @@ K and V) over the median time give the rate the kernel reads them at.
 
 To compare two versions of the kernel, run this once with each source in place (the
 build is cached per source, so switching back costs nothing).
+
+`--resident` adds, for each shape, the same tick with every call reading layer 0: one
+layer's rows (about 1 MB at 8 x 160) stay in the core's L2 between calls, where a real
+tick's 30 layers (and the weights streamed between them) are read from L3 or memory.
+The two medians side by side say how much of the kernel's time is reading the pool
+and how much is its own arithmetic.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--resident", action="store_true", help="also every call on layer 0")
     outputs(p, "paged_attention")
     args = p.parse_args()
     machine = machine_info()
@@ -72,41 +79,49 @@ def main() -> None:
                     torch.randperm(rows * blocks, generator=gen).int().view(rows, blocks),
                     torch.full((rows,), keys, dtype=torch.long),
                 )
-                shapes.append((dtype, rows, keys, args_))
+                shapes.append((dtype, rows, keys, args_, False))
+                if args.resident:
+                    shapes.append((dtype, rows, keys, args_, True))
 
-    def tick(a: tuple[torch.Tensor, ...]) -> None:
+    def tick(a: tuple[torch.Tensor, ...], resident: bool) -> None:
         for layer in range(LAYERS):
-            op(*a, layer, BLOCK, 0)
+            op(*a, 0 if resident else layer, BLOCK, 0)
 
-    times: dict[tuple[str, int, int], list[float]] = {(d, b, k): [] for d, b, k, _ in shapes}
+    Key = tuple[str, int, int, bool]
+    times: dict[Key, list[float]] = {(d, b, k, r): [] for d, b, k, _, r in shapes}
     for _ in range(args.rounds):
-        for dtype, rows, keys, a in shapes:
+        for dtype, rows, keys, a, resident in shapes:
             for _ in range(args.calls):
-                tick(a)
+                tick(a, resident)
             start = time.perf_counter()
             for _ in range(args.calls):
-                tick(a)
-            times[(dtype, rows, keys)].append((time.perf_counter() - start) / args.calls * 1e3)
+                tick(a, resident)
+            elapsed = time.perf_counter() - start
+            times[(dtype, rows, keys, resident)].append(elapsed / args.calls * 1e3)
 
     results = []
-    for dtype, rows, keys, a in shapes:
-        s = spread(times[(dtype, rows, keys)])
+    for dtype, rows, keys, a, resident in shapes:
+        s = spread(times[(dtype, rows, keys, resident)])
         size = a[1].element_size()
         read = rows * (keys + 1) * LAYERS * KV_HEADS * HEAD_DIM * size * 2  # K and V
         gbs = read / (s["median"] / 1e3) / 1e9
         results.append({"dtype": dtype, "rows": rows, "keys": keys, "ms_per_tick": s})
-        results[-1].update(read_mb=read / 1e6, gb_per_s=round(gbs, 2))
+        results[-1].update(read_mb=read / 1e6, gb_per_s=round(gbs, 2), resident=resident)
+        where = " (layer 0 only: in L2)" if resident else ""
         print(
-            f"{dtype:8s} rows {rows:2d} keys {keys:4d}: {s['min']:.3f} / {s['median']:.3f} / "
-            f"{s['max']:.3f} ms per tick of {LAYERS} layers ({read / 1e6:.1f} MB, "
-            f"{gbs:.1f} GB/s)",
+            f"{dtype:8s} rows {rows:2d} keys {keys:4d}{where}: {s['min']:.3f} / "
+            f"{s['median']:.3f} / {s['max']:.3f} ms per tick of {LAYERS} layers "
+            f"({read / 1e6:.1f} MB, {gbs:.1f} GB/s)",
             flush=True,
         )
     out = {"threads": args.threads, "rounds": args.rounds, "calls": args.calls}
     out.update(results=results, machine=mark_end(machine))
     write_json(Path(args.out), out)
     with figure(Path(args.plot), 1, 1, figsize=(6, 3.5)) as ax:
-        labels = [f"{r['dtype'][:4]} {r['rows']}x{r['keys']}" for r in results]
+        labels = [
+            f"{r['dtype'][:4]} {r['rows']}x{r['keys']}{' L2' if r['resident'] else ''}"
+            for r in results
+        ]
         ax.bar(labels, [r["ms_per_tick"]["median"] for r in results])
         ax.set_ylabel("ms per tick (30 layers), median")
         ax.set_xlabel("rows x keys")

@@ -27,8 +27,9 @@ timed split. The timed forward and the profiled matmuls come from different tick
 on a host whose speed drifts between rounds their difference drifts too: "outside the
 matmuls in the profiled ticks" takes both from the same ticks (the forward's span as
 the profiler saw it, less its matmuls' self time), at the cost of the profiler's own
-overhead per op (small for the native stack's few ops, larger for the graph's). `--inductor NAME=VALUE,...` sets torch._inductor.config fields before the
-model compiles (to try a setting; the worker sets none of them).
+overhead per op (small for the native stack's few ops, larger for the graph's).
+`--inductor NAME=VALUE,...` sets torch._inductor.config fields before the model
+compiles (to try a setting; the worker sets none of them).
 
 `--decode native,graph` measures both ways of running a whole decode tick on the same
 engine, in turn within every round (so both see the same contexts and the same host):
