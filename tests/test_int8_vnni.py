@@ -13,7 +13,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.helpers.kernels import assert_float32_kept, assert_rows_independent
+from tests.helpers.kernels import (
+    assert_bad_inputs_named,
+    assert_float32_kept,
+    assert_rows_independent,
+)
 from tokenfleet.model import quant
 from tokenfleet.model.quant import PACKED_MAX_ROWS, quantize_int8
 
@@ -102,14 +106,10 @@ def test_float32_activations_are_quantized_as_they_are() -> None:
 
 def test_bad_shapes_and_types_are_named() -> None:
     c = Case(2, 64, 128)
-    w = c.w
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.tokenfleet.int8_linear(c.x[:, :96], w.data, w.scales, 64)
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        torch.ops.tokenfleet.int8_linear(c.x, w.data, w.scales, 65)
-    with pytest.raises(RuntimeError, match="x bf16 or float32, w int8, scales float32"):
-        torch.ops.tokenfleet.int8_linear(c.x.half(), w.data, w.scales, 64)
-    assert c.kernel(c.x[:0]).shape == (0, 64)
+    op = torch.ops.tokenfleet.int8_linear
+    assert_bad_inputs_named(
+        op, c.x, c.w.data, c.w.scales, "x bf16 or float32, w int8, scales float32"
+    )
 
 
 def test_packed_int8_calls_take_it_up_to_16_rows_and_at_every_count_in_deterministic_mode() -> None:

@@ -449,6 +449,10 @@ class LocalWorkers:
 
     Liveness is the worker's heartbeat hash (`Keys.worker(name)`): it exists once the
     worker has loaded its model and joined, and expires after WORKER_TTL_S without one.
+
+    As a context manager it drains the workers on the way out (`drain`: SIGTERM, they
+    finish what they hold; a worker still running after `drain_timeout` is killed), an
+    exception in the block included, so no worker outlives the block that started it.
     """
 
     redis_url: str
@@ -458,7 +462,14 @@ class LocalWorkers:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: Path | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    drain_timeout: float = 60.0
     _client: redis.Redis | None = field(default=None, repr=False)
+
+    def __enter__(self) -> LocalWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.drain(self.drain_timeout)
 
     @property
     def keys(self) -> Keys:

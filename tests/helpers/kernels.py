@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -32,3 +33,18 @@ def assert_float32_kept(
     assert float((got - want).abs().max() / want.abs().max()) < 1e-5
     assert float((kernel(x.bfloat16()).float() - want).abs().max() / want.abs().max()) > 1e-4
     assert_rows_independent(kernel, x32)
+
+
+def assert_bad_inputs_named(
+    op: Callable[..., Tensor], x: Tensor, data: Tensor, scales: Tensor, types: str
+) -> None:
+    """`op(x, data, scales, 64)` (x [2, 128], 64 outputs) refuses inputs of the wrong
+    width, a wrong output count and a float16 x with errors that say what is wrong;
+    `types` is what the op names as its input types."""
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(x[:, :96], data, scales, 64)
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        op(x, data, scales, 65)
+    with pytest.raises(RuntimeError, match=types):
+        op(x.half(), data, scales, 64)
+    assert op(x[:0], data, scales, 64).shape == (0, 64)
