@@ -294,10 +294,12 @@ def spread_errors(
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
-    """Lay out, save (parent folders made) and close a figure."""
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
+    """Lay out, save (parent folders made) and close a figure; `--plot ''` (a path of
+    no name) closes it unsaved, where matplotlib would write `.png` in the working folder."""
+    if path.name:
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
 
 
