@@ -47,11 +47,13 @@ caches drop, or never had, the cells a later session would borrow). docs/operati
 
 Budgets are what llama.cpp says it allocated (its log lines at load): the model's
 buffers, the KV cells and the compute and output buffers; the fixed ones count as the
-node's weight bytes, so admission stays exact. Where weights are repacked (AMX, below),
-the file is read rather than mapped: a mapped buffer spans the file from its first to
-its last tensor left in place, so the repacked tensors would be counted twice, once
-mapped and once repacked (SmolLM2's Q4_1 file: 187 MiB logged where 124 are held; read,
-the CPU buffer holds only the tensors left in place).
+node's weight bytes, so admission stays exact. Wherever llama.cpp may repack weights
+(its "extra buffer types": the AMX layouts below, and on other CPUs the layouts of its
+own AVX and NEON kernels), the file is read rather than mapped: a mapped buffer spans the
+file from its first to its last tensor left in place, so the repacked tensors would be
+counted twice, once mapped and once repacked (SmolLM2's Q4_1 file on an AMX Xeon: 187
+MiB logged where 124 are held; read, the CPU buffer holds only the tensors left in
+place). The price: workers on one host no longer share the file's pages.
 
 AMX. On a CPU with AMX, llama.cpp repacks weights into an AMX buffer ("extra buffer
 types"). Built by gcc 12 from the released source, that path crashed in the first decode
@@ -262,7 +264,7 @@ class LlamaCppRunner:
             params = lib.llama_model_default_params()
             params.n_gpu_layers = 0
             params.use_extra_bufts = extra
-            if extra and amx:  # repacked: read the file, not mapped (see above)
+            if extra:  # weights may be repacked: read the file, not mapped (see above)
                 params.load_mode = lib.LLAMA_LOAD_MODE_NONE
             self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
             if not self.model:
