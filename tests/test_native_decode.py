@@ -267,6 +267,98 @@ def test_compiling_picks_the_stack_unless_told_not_to(
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    ("weights", "dtype", "family"),
+    [
+        ("dense", "bfloat16", "llama"),
+        pytest.param("int8", "bfloat16", "llama", marks=needs_vnni),
+        pytest.param("int4", "bfloat16", "llama", marks=needs_vnni),
+        pytest.param("quantized", "bfloat16", "llama", marks=needs_vnni),
+        ("dense", "float32", "llama"),
+        pytest.param("int8", "float32", "llama", marks=needs_vnni),
+        pytest.param("int4", "bfloat16", "gemma3", marks=needs_vnni),
+        ("dense", "bfloat16", "gemma3"),
+    ],
+)
+def test_one_call_from_ids_to_logits_gives_the_layers_then_the_head_bit_for_bit(
+    weights: str,
+    dtype: str,
+    family: str,
+    checkpoint: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`DecodeStack.decode` (the embedding, Gemma's scale on it, rope rows from the
+    tables, the layers, the LM head writing float32) against the stack's layers with the
+    embedding, rope and head done in Python as before: the same logits and K/V, bit for
+    bit, over 14 steps across block edges (and Gemma 3's windows and second rope base)."""
+    import tokenfleet.model.native_decode as native
+
+    if family == "gemma3":
+        hf = make_hf_llama(**_FAMILIES["gemma3"])
+        path = str(save_hf_llama(hf, tmp_path / "m"))
+        model = load_model(path, dtype=dtype, device="cpu").model
+        if weights in ("int8", "int4"):
+            model.add_narrow(weights, 4)
+    else:
+        model = _tiny(checkpoint, weights, dtype)
+    narrow = weights in ("int8", "int4")
+    stack = NativeDecode(model, narrow=narrow)
+    pool, tables = _prefill(model, 3, 5)
+    python_pool = copy.deepcopy(pool)
+    ids = [11, 12, 13]
+    for step in range(14):
+        seqs = [SeqInput(tables[r], 5 + step, 1) for r in range(3)]
+        assert native._head(model.head_weight(narrow, 3), model.dtype, 3) is not None
+        got = stack.forward(ids, seqs, pool)
+        with monkeypatch.context() as m:
+            m.setattr(native, "_head", lambda *a: None)  # the head in Python
+            want = stack.forward(ids, seqs, python_pool)
+        assert got.dtype == want.dtype == torch.float32
+        assert torch.equal(got, want), f"step {step}"
+        ids = [int(t) for t in got.argmax(-1)]
+    assert torch.equal(pool.k, python_pool.k) and torch.equal(pool.v, python_pool.v)
+
+
+@pytest.mark.parametrize(("head_dim", "theta"), [(64, 10_000.0), (128, 500_000.0), (80, 1e6)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_table_rows_are_the_rows_computed_alone(
+    head_dim: int, theta: float, dtype: torch.dtype
+) -> None:
+    """A decode tick takes its rope rows from `RopeTable` by position: each row holds
+    the bits `rope_cos_sin` gives for that position in any set of positions, after the
+    table has grown past its first rows too."""
+    from tokenfleet.model.native_decode import RopeTable
+    from tokenfleet.model.rope import rope_cos_sin
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    table = RopeTable(inv_freq, dtype, rows=8)
+    table.cover(3000)
+    assert table.cos.shape == (4096, head_dim)
+    gen = torch.Generator().manual_seed(0)
+    for size in (1, 3, 8, 17, 40):
+        for _ in range(10):
+            pos = torch.randint(0, 3001, (size,), generator=gen)
+            cos, sin = rope_cos_sin(inv_freq, pos, dtype)
+            assert torch.equal(table.cos[pos], cos) and torch.equal(table.sin[pos], sin)
+
+
+@needs_kernel
+def test_a_token_id_outside_the_vocabulary_is_refused_by_name(checkpoint: str) -> None:
+    """A bad id fails the tick with a named error before any layer runs: nothing is
+    written to the pool."""
+    model = _tiny(checkpoint, "dense")
+    stack = NativeDecode(model, narrow=False)
+    pool, tables = _prefill(model, 2, 3)
+    before = pool.k.clone()
+    seqs = [SeqInput(tables[r], 3, 1) for r in range(2)]
+    for bad in (model.config.vocab_size, -1):
+        with pytest.raises(RuntimeError, match="outside the vocabulary"):
+            stack.forward([1, bad], seqs, pool)
+    assert torch.equal(pool.k, before)
+
+
+@needs_kernel
 def test_slots_and_blocks_outside_the_pool_are_refused_by_name(checkpoint: str) -> None:
     """A bad block table fails the call with a named error; nothing is written."""
     model = _tiny(checkpoint, "dense")

@@ -10,6 +10,13 @@ in plain loops on the calling thread, the matmul and paged-attention kernels cal
 directly, each layer's new K/V written straight into the pool before its attention reads
 it. The weights are bound once, when the stack is built.
 
+A tick is one call from token ids to float32 logits (`DecodeStack.decode`): the
+embedding, each row's rope values taken from a table by position (`RopeTable`), the
+layers, and the LM head writing float32 values already rounded as its bf16 result's
+`.float()` would be. Done in Python around the layers' call, the embedding, rope, head
+call and float copy took 0.2 ms of a one-row tick and 0.4 of an eight-row one on an
+EPYC Zen 4; the bits are the same either way (tests/test_native_decode.py).
+
 It serves the decode ticks of every family tokenfleet loads (Llama / SmolLM2, Mistral,
 Qwen2's projection biases, Qwen3's q/k norms, Gemma 3's float32-scaled norms, output
 norms, query scale, GeGLU and sliding-window layers) for a bf16 or a float32 model (what
@@ -31,7 +38,7 @@ from torch import Tensor
 
 from tokenfleet.model.attention import paged_cpu
 from tokenfleet.model.layers import AttnWeights, MlpWeights, linear
-from tokenfleet.model.quant import PackedWeight
+from tokenfleet.model.quant import PACKED_MAX_ROWS, PackedWeight
 from tokenfleet.model.rope import rope_cos_sin
 from tokenfleet.model.tick_inputs import SeqInput, decode_rows
 
@@ -62,6 +69,9 @@ def unsupported(model: LlamaModel, narrow: bool) -> str | None:
         )
     if shape.row_tile or shape.min_rows or shape.one_kernel:
         return "deterministic row tiles run eagerly"
+    embed = model.embed_tokens.weight
+    if embed.dtype != model.dtype or embed.dim() != 2:
+        return f"an embedding in {embed.dtype}, not the model's {model.dtype}"
     if not paged_cpu.load():
         return f"the C++ kernels did not build: {paged_cpu.failure()}"
     for attn_w, mlp_w in model.layer_weights(narrow):
@@ -107,6 +117,29 @@ def _layer(attn_w: AttnWeights, mlp_w: MlpWeights) -> list[Tensor]:
     ]
 
 
+class RopeTable:
+    """cos / sin rows for positions 0 .. P - 1 (`rope_cos_sin` over all of them, which
+    gives each row the values it computes for that position alone, whatever the others:
+    tests/test_native_decode.py checks it), grown by doubling when a tick's position
+    passes the end, so a tick takes its rows by index instead of computing them."""
+
+    def __init__(self, inv_freq: Tensor, dtype: torch.dtype, rows: int = 1024) -> None:
+        self._inv_freq = inv_freq
+        self._dtype = dtype
+        self.cos, self.sin = self._compute(rows)
+
+    def _compute(self, rows: int) -> tuple[Tensor, Tensor]:
+        return rope_cos_sin(self._inv_freq, torch.arange(rows), self._dtype)
+
+    def cover(self, last: int) -> None:
+        """Rows up to position `last` at least."""
+        rows = self.cos.shape[0]
+        if last >= rows:
+            while rows <= last:
+                rows *= 2
+            self.cos, self.sin = self._compute(rows)
+
+
 class NativeDecode:
     """Whole decode ticks of one weight set through `DecodeStack` (module docstring)."""
 
@@ -126,11 +159,16 @@ class NativeDecode:
         s = model.shape
         self.narrow = narrow
         self._model = model
+        self._rope = RopeTable(model._inv_freq, model.dtype)
+        local = model._inv_freq_local
+        self._rope_local = self._rope if local is None else RopeTable(local, model.dtype)
         self._stack = torch.classes.tokenfleet.DecodeStack(
             weights,
             kinds,
             windows,
             model.norm.weight.contiguous(),
+            model.embed_tokens.weight.contiguous(),
+            float(cfg.embed_scale or 0.0),
             s.num_heads,
             s.num_kv_heads,
             s.head_dim,
@@ -150,10 +188,31 @@ class NativeDecode:
     def forward(
         self, input_ids: Tensor | Sequence[int], seqs: Sequence[SeqInput], kv: KVPool
     ) -> Tensor:
-        """Every seq one new token (a decode): logits [B, vocab]; K/V written to `kv`."""
+        """Every seq one new token (a decode): float32 logits [B, vocab]; K/V written to
+        `kv`. One C++ call from the token ids to the logits where the stack takes the LM
+        head (dense, or int8 / int4 in the 16-row layout); else the layers in one call
+        and the head here."""
         m = self._model
         tables, pos, slots = decode_rows(seqs, kv.block_size)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
+        flat = (kv.num_layers, kv.num_slots, kv.num_kv_heads, kv.head_dim)
+        rows = (kv.k.view(flat), kv.v.view(flat), tables, pos, slots, kv.block_size)
+        lm_head = m.head_weight(self.narrow, ids.shape[0])
+        head = _head(lm_head, m.dtype, ids.shape[0])
+        if head is not None:
+            last = max(s.start_pos for s in seqs)
+            self._rope.cover(last)
+            self._rope_local.cover(last)
+            logits: Tensor = self._stack.decode(
+                ids,
+                self._rope.cos,
+                self._rope.sin,
+                self._rope_local.cos,
+                self._rope_local.sin,
+                *rows,
+                *head,
+            )
+            return logits
         x = torch.nn.functional.embedding(ids, m.embed_tokens.weight)
         if m.config.embed_scale is not None:  # rounded to the model dtype, as the reference
             x = x * torch.tensor(m.config.embed_scale, dtype=x.dtype)
@@ -161,19 +220,18 @@ class NativeDecode:
         wcos, wsin = cos, sin
         if m._inv_freq_local is not None:
             wcos, wsin = rope_cos_sin(m._inv_freq_local, pos, m.dtype)
-        flat = (kv.num_layers, kv.num_slots, kv.num_kv_heads, kv.head_dim)
-        normed: Tensor = self._stack.run(
-            x,
-            cos,
-            sin,
-            wcos,
-            wsin,
-            kv.k.view(flat),
-            kv.v.view(flat),
-            tables,
-            pos,
-            slots,
-            kv.block_size,
-        )
-        lm_head = m.head_weight(self.narrow, normed.shape[0])
+        normed: Tensor = self._stack.run(x, cos, sin, wcos, wsin, *rows)
         return linear(normed, lm_head, None, m.shape).float()
+
+
+def _head(
+    w: Tensor | PackedWeight, dtype: torch.dtype, rows: int
+) -> tuple[Tensor, Tensor, int, int] | None:
+    """The LM head as `DecodeStack.decode` takes it (matrix, scales, kind, outputs) for a tick of
+    `rows` rows, or None where its call is not one of the stack's kernels (a packed
+    weight in torch's layout, or one `linear` would dequantize at this many rows)."""
+    kind = _kind(w, dtype)
+    if isinstance(kind, str) or (kind != _DENSE and rows > PACKED_MAX_ROWS):
+        return None
+    data, scales = _parts(w)
+    return data, scales, kind, w.shape[0] if isinstance(w, Tensor) else w.out_features

@@ -265,6 +265,14 @@ void decode_attention_impl(
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, kh = job % KVH;
       const int64_t n = pp[b];
+      // A context row holds every KV head's key side by side (KVH * hd values), so this
+      // thread's first job on row b asks ahead for the rows of all the heads it will do
+      // there, keys to L1 and values to L2: the later jobs find them in the cache instead
+      // of each missing on its own part of the same lines. On an EPYC Zen 4, where a
+      // busy tick's pool comes from memory (the weights stream through its 32 MB L3
+      // between layers), 8 rows of 300-512 keys took 5-12 % less time (160 keys and
+      // one row: no change outside the noise; bench/paged_attention.py).
+      const int64_t heads_ahead = kh == 0 || job == begin ? std::min(KVH - kh, end - job) : 0;
       // the query sits at position n when its own key is given (not in the pool yet),
       // else at n - 1 (its key is the pool's last)
       const int64_t at = kn ? n : n - 1;
@@ -311,8 +319,20 @@ void decode_attention_impl(
           const uint16_t* k16[16];
           for (int i = 0; i < 16; ++i)
             k16[i] = reinterpret_cast<const uint16_t*>(row_of(kb, kn, j + i));
-          for (int64_t i = j + 16; i < std::min(L, j + 32); ++i)  // the next group's keys
-            prefetch_row<HD>(row_of(kb, kn, i));
+          if (heads_ahead > 1) {  // the next group's keys of all this thread's heads, values to L2
+            for (int64_t i = j + 16; i < std::min(L, j + 32); ++i) {
+              if (where[i] < 0) continue;  // the new key, not in the pool
+              const char* kc = reinterpret_cast<const char*>(kb + where[i]);
+              const char* vc = reinterpret_cast<const char*>(vb + where[i]);
+              for (int64_t o = 0; o < heads_ahead * HD * 2; o += 64) {
+                _mm_prefetch(kc + o, _MM_HINT_T0);
+                _mm_prefetch(vc + o, _MM_HINT_T1);
+              }
+            }
+          } else {
+            for (int64_t i = j + 16; i < std::min(L, j + 32); ++i)  // the next group's keys
+              prefetch_row<HD>(row_of(kb, kn, i));
+          }
           for (int64_t g = 0; g < G; ++g)
             dot16_bf16<HD>(q16 + g * HD, k16, scale, scores.data() + g * L + j);
         }
@@ -499,7 +519,8 @@ at::Tensor decode_attention(
 //   8 x 2 x 15 x 127 = 30480); int8 goes in as |qx| times w carrying qx's sign (vpsignb,
 //   at most 2 x 127 x 127 a pair), widened to int32 every step.
 // The integer sums are exact and the float steps after them the same, in the same order,
-// so both give the same bits. x is bf16 or float32, y in x's dtype. A row's arithmetic is
+// so both give the same bits. x is bf16 or float32, y in x's dtype (or, inside this
+// file, float32 holding the bf16-rounded values: the stack's LM head). A row's arithmetic is
 // lane-wise and in one order whatever the other rows, so its result does not depend on
 // them or on the thread split, at any row count.
 
@@ -512,6 +533,12 @@ at::Tensor decode_attention(
 #endif
 
 #ifdef TOKENFLEET_INT_KERNELS
+// An output written as float32 holding bf16-rounded values: what a bf16 result's .float()
+// holds, in one store (the LM head's logits, which sampling reads as float32).
+struct Bf16InF32 {
+  float f;
+};
+
 struct QRows {  // the activations, quantized per block of 32
   std::vector<int8_t> qx;  // [M, K]
   std::vector<float> dx;   // [M, K / 32]
@@ -556,6 +583,11 @@ inline void store16(c10::BFloat16* out, __m512 v, int64_t live) {  // bf16, near
 inline void store16(float* out, __m512 v, int64_t live) {
   const __mmask16 keep = live >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
   _mm512_mask_storeu_ps(out, keep, v);
+}
+inline void store16(Bf16InF32* out, __m512 v, int64_t live) {  // rounded to bf16, kept float32
+  const __m512 r = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+  store16(reinterpret_cast<float*>(out), r, live);
 }
 
 template <int MR, typename O>
@@ -665,11 +697,16 @@ inline void store8(float* out, __m256 v, int64_t live) {
     std::memcpy(out, t, live * sizeof(float));
   }
 }
-inline void store8(c10::BFloat16* out, __m256 v, int64_t live) {  // bf16, nearest even
+inline __m256i bf16_bits8(__m256 v) {  // 8 floats to bf16 (nearest even), in 32-bit lanes
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+inline void store8(Bf16InF32* out, __m256 v, int64_t live) {  // rounded to bf16, kept float32
+  store8(reinterpret_cast<float*>(out), _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)), live);
+}
+inline void store8(c10::BFloat16* out, __m256 v, int64_t live) {  // bf16, nearest even
+  const __m256i r = bf16_bits8(v);
   const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   if (live >= 8) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
@@ -776,12 +813,12 @@ inline void quantize_rows(const S* x, int64_t M, int64_t K, QRows& q) {
 
 // The rows of x in tiles (8, 4, 2 and 1 rows on AVX-512; 4, 2, 1 on AVX2), every group
 // of 16 outputs shared among the threads. T: x's and y's element type.
-template <typename T, typename Group>
+template <typename T, typename O, typename Group>
 void int_matmul_as(const at::Tensor& x, at::Tensor& out, int64_t groups, Group group) {
   const int64_t M = x.size(0), K = x.size(1);
   QRows q;
   quantize_rows(x.data_ptr<T>(), M, K, q);
-  T* op = out.data_ptr<T>();
+  O* op = reinterpret_cast<O*>(out.data_ptr());
   at::parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       int64_t m = 0;
@@ -795,17 +832,47 @@ void int_matmul_as(const at::Tensor& x, at::Tensor& out, int64_t groups, Group g
   });
 }
 
+// out in x's dtype, or float32 for a bf16 x (the values rounded to bf16 all the same)
 template <typename Group>
 void int_matmul(const at::Tensor& x, at::Tensor& out, int64_t groups, Group group) {
-  if (x.scalar_type() == at::kBFloat16)
-    int_matmul_as<c10::BFloat16>(x, out, groups, group);
+  if (x.scalar_type() == at::kFloat)
+    int_matmul_as<float, float>(x, out, groups, group);
+  else if (out.scalar_type() == at::kFloat)
+    int_matmul_as<c10::BFloat16, Bf16InF32>(x, out, groups, group);
   else
-    int_matmul_as<float>(x, out, groups, group);
+    int_matmul_as<c10::BFloat16, c10::BFloat16>(x, out, groups, group);
 }
 #endif
 
+// the kernels write out's rows without bounds: [M, N], contiguous, x's dtype or float32
+inline void check_out(const at::Tensor& x, const at::Tensor& out, int64_t N, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == N &&
+                  out.is_contiguous() &&
+                  (out.scalar_type() == x.scalar_type() || out.scalar_type() == at::kFloat),
+              op, ": out [M, N], contiguous, in x's dtype or float32");
+}
+
+// x's rows times w into out ([M, N], x's dtype, or float32 for a bf16 x: module comment)
+void int8_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                      int64_t N, at::Tensor& out);
+void q4_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N,
+                    at::Tensor& out);
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                        int64_t N) {
+  auto out = at::empty({x.dim() == 2 ? x.size(0) : 0, N}, x.options());
+  int8_linear_into(x, w, scales, N, out);
+  return out;
+}
+
+at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N) {
+  auto out = at::empty({x.dim() == 2 ? x.size(0) : 0, N}, x.options());
+  q4_linear_into(x, w, dm, N, out);
+  return out;
+}
+
+void int8_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                      int64_t N, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scales.dim() == 1,
               "x [M, K], w [N rounded up to 16, K], scales [N rounded up to 16]");
   const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
@@ -815,8 +882,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
               "int8_linear: x bf16 or float32, w int8, scales float32");
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  check_out(x, out, N, "int8_linear");
+  if (M == 0) return;
 #ifdef TOKENFLEET_INT_KERNELS
   auto xc = x.contiguous();
   auto wc = w.contiguous();
@@ -827,14 +894,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     q8_group<decltype(mr)::value>(q, m, wp, sp, g, K, N, op);
   };
   int_matmul(xc, out, R / 16, group);
-  return out;
 #else
   TORCH_CHECK(false, "int8_linear needs AVX2 or AVX512-VNNI (tokenfleet::int_kernels() is empty here)");
-  return out;
 #endif
 }
 
-at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N) {
+void q4_linear_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm, int64_t N,
+                    at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && dm.dim() == 4 && dm.size(0) == 2 && dm.size(3) == 16,
               "x [M, K], w [N rounded up to 16, K / 2], dm [2, N rounded up / 16, K / 32, 16]");
   const int64_t M = x.size(0), K = x.size(1), G = dm.size(1);
@@ -844,8 +910,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   TORCH_CHECK((x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == at::kByte && dm.scalar_type() == at::kHalf,
               "q4_linear: x bf16 or float32, w uint8, dm float16");
-  auto out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  check_out(x, out, N, "q4_linear");
+  if (M == 0) return;
 #ifdef TOKENFLEET_INT_KERNELS
   auto xc = x.contiguous();
   auto wc = w.contiguous();
@@ -857,10 +923,8 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     q4_group<decltype(mr)::value>(q, m, wp, dp, mp, g, K, N, op);
   };
   int_matmul(xc, out, G, group);
-  return out;
 #else
   TORCH_CHECK(false, "q4_linear needs AVX2 or AVX512-VNNI (tokenfleet::int_kernels() is empty here)");
-  return out;
 #endif
 }
 
@@ -985,12 +1049,16 @@ class DecodeStack : public torch::CustomClassHolder {
     kMlpNorm, kGateUp, kGateUpScales, kGateUpBias, kDown, kDownScales, kDownBias, kMlpOutNorm,
   };
 
+  // embed: the token embedding [vocab, hidden] in the model dtype, embed_scale Gemma's
+  // factor on it (0: none), for `decode`.
   DecodeStack(std::vector<at::Tensor> weights, std::vector<int64_t> kinds,
-              std::vector<int64_t> windows, at::Tensor final_norm, int64_t heads,
-              int64_t kv_heads, int64_t head_dim, int64_t hidden, int64_t inter, double eps,
-              bool gelu, bool fp32_scale, double query_scale)
+              std::vector<int64_t> windows, at::Tensor final_norm, at::Tensor embed,
+              double embed_scale, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              int64_t hidden, int64_t inter, double eps, bool gelu, bool fp32_scale,
+              double query_scale)
       : w_(std::move(weights)), kinds_(std::move(kinds)), windows_(std::move(windows)),
-        final_norm_(std::move(final_norm)), dtype_(final_norm_.scalar_type()), H_(heads), KVH_(kv_heads), hd_(head_dim),
+        final_norm_(std::move(final_norm)), embed_(std::move(embed)), embed_scale_(embed_scale),
+        dtype_(final_norm_.scalar_type()), H_(heads), KVH_(kv_heads), hd_(head_dim),
         hidden_(hidden), inter_(inter), eps_(static_cast<float>(eps)), gelu_(gelu),
         fp32_scale_(fp32_scale), query_scale_(static_cast<float>(query_scale)) {
     const int64_t L = static_cast<int64_t>(windows_.size());
@@ -1010,6 +1078,9 @@ class DecodeStack : public torch::CustomClassHolder {
     };
     const int64_t qkv_n = (H_ + 2 * KVH_) * hd_;
     TORCH_CHECK(vec_ok(final_norm_, hidden_, false), "DecodeStack: norm weights [hidden] in the model dtype");
+    TORCH_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden_ && embed_.scalar_type() == dtype_ &&
+                    embed_.is_contiguous(),
+                "DecodeStack: the embedding [vocab, hidden] in the model dtype, contiguous");
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = w_.data() + kPerLayer * l;
       TORCH_CHECK(vec_ok(w[kAttnNorm], hidden_, false) && vec_ok(w[kMlpNorm], hidden_, false) &&
@@ -1046,6 +1117,60 @@ class DecodeStack : public torch::CustomClassHolder {
     if (dtype_ == at::kFloat)
       return run_as<F32>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
     return run_as<Bf16>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
+  }
+
+  // A whole decode tick from token ids to logits: each row's token embedded (times the
+  // embedding scale, rounded, where the model has one), its rope row taken from the
+  // tables at its position (cos/sin [P, hd], the sliding layers' wcos/wsin, in the model
+  // dtype: rope.rope_cos_sin over 0 .. P - 1, the same values row by row), the layers
+  // (`run`), then the LM head: kind 0 dense [vocab, hidden] in the model dtype, 1 int8
+  // rows16, 2 int4 rows16 (head_scales empty when dense). Returns float32 logits
+  // [B, vocab]: a bf16 model's values rounded to bf16, as its head's .float().
+  at::Tensor decode(at::Tensor ids, at::Tensor cos_t, at::Tensor sin_t, at::Tensor wcos_t,
+                    at::Tensor wsin_t, at::Tensor k_pool, at::Tensor v_pool, at::Tensor tables,
+                    at::Tensor positions, at::Tensor slots, int64_t block_size, at::Tensor head,
+                    at::Tensor head_scales, int64_t head_kind, int64_t vocab) {
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && positions.dim() == 1 &&
+                    positions.scalar_type() == at::kLong && positions.size(0) == ids.size(0),
+                "DecodeStack.decode: ids and positions int64 [B]");
+    auto idc = ids.contiguous();
+    auto pc = positions.contiguous();
+    const int64_t B = idc.size(0), V = embed_.size(0);
+    const int64_t* ip = idc.data_ptr<int64_t>();
+    const int64_t* pp = pc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(ip[b] >= 0 && ip[b] < V, "DecodeStack.decode: token id ", ip[b],
+                  " outside the vocabulary (", V, ")");
+    for (const auto* t : {&cos_t, &sin_t, &wcos_t, &wsin_t}) {
+      TORCH_CHECK(t->dim() == 2 && t->size(1) == hd_ && t->scalar_type() == dtype_,
+                  "DecodeStack.decode: rope tables [P, hd] in the model dtype");
+      for (int64_t b = 0; b < B; ++b)
+        TORCH_CHECK(pp[b] >= 0 && pp[b] < t->size(0), "DecodeStack.decode: position ", pp[b],
+                    " outside the rope table (", t->size(0), " rows)");
+    }
+    TORCH_CHECK(head_kind >= 0 && head_kind <= 2 && head.dim() == 2 && vocab > 0,
+                "DecodeStack.decode: head kind 0 (dense), 1 (int8) or 2 (int4)");
+    TORCH_CHECK(head_kind != 0 || (head.scalar_type() == dtype_ && head.size(0) == vocab &&
+                                   head.size(1) == hidden_),
+                "DecodeStack.decode: a dense head [vocab, hidden] in the model dtype");
+    auto x = embed_.index_select(0, idc);
+    if (embed_scale_ != 0.0)  // x * scale in the model dtype, as the eager forward
+      x = x * at::scalar_tensor(embed_scale_, x.options());
+    auto rows = [&](const at::Tensor& t) { return t.index_select(0, pc); };
+    auto cos = rows(cos_t), sin = rows(sin_t);
+    const bool same = wcos_t.is_same(cos_t) && wsin_t.is_same(sin_t);
+    auto wcos = same ? cos : rows(wcos_t), wsin = same ? sin : rows(wsin_t);
+    auto normed = run(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, pc, slots, block_size);
+    if (head_kind == 0) return at::linear(normed, head).to(at::kFloat);
+    auto logits = at::empty({B, vocab}, normed.options().dtype(at::kFloat));
+    if (head_kind == 1) {
+      RECORD_FUNCTION("tokenfleet::int8_linear", std::vector<c10::IValue>());
+      int8_linear_into(normed, head, head_scales, vocab, logits);
+    } else {
+      RECORD_FUNCTION("tokenfleet::q4_linear", std::vector<c10::IValue>());
+      q4_linear_into(normed, head, head_scales, vocab, logits);
+    }
+    return logits;
   }
 
  private:
@@ -1236,7 +1361,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
   std::vector<at::Tensor> w_;
   std::vector<int64_t> kinds_, windows_;
-  at::Tensor final_norm_;
+  at::Tensor final_norm_, embed_;
+  double embed_scale_;
   at::ScalarType dtype_;
   const c10::optional<at::Tensor> none_;
   int64_t H_, KVH_, hd_, hidden_, inter_;
@@ -1262,9 +1388,10 @@ std::string int_kernels() {
 TORCH_LIBRARY(tokenfleet, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
-                       at::Tensor, int64_t, int64_t, int64_t, int64_t, int64_t, double, bool,
-                       bool, double>())
-      .def("run", &DecodeStack::run);
+                       at::Tensor, at::Tensor, double, int64_t, int64_t, int64_t, int64_t,
+                       int64_t, double, bool, bool, double>())
+      .def("run", &DecodeStack::run)
+      .def("decode", &DecodeStack::decode);
   m.def("int8_linear(Tensor x, Tensor w, Tensor scales, int n) -> Tensor");
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm, int n) -> Tensor");
   m.def("int_kernels() -> str", &int_kernels);
