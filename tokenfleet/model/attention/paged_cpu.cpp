@@ -265,14 +265,15 @@ void decode_attention_impl(
     for (int64_t job = begin; job < end; ++job) {
       const int64_t b = job / KVH, kh = job % KVH;
       const int64_t n = pp[b];
-      // A context row holds every KV head's key side by side (KVH * hd values), so this
-      // thread's first job on row b asks ahead for the rows of all the heads it will do
-      // there, keys to L1 and values to L2: the later jobs find them in the cache instead
-      // of each missing on its own part of the same lines. On an EPYC Zen 4, where a
-      // busy tick's pool comes from memory (the weights stream through its 32 MB L3
-      // between layers), 8 rows of 300-512 keys took 5-12 % less time (160 keys and
-      // one row: no change outside the noise; bench/paged_attention.py).
-      const int64_t heads_ahead = kh == 0 || job == begin ? std::min(KVH - kh, end - job) : 0;
+      // A context row holds every KV head's key side by side (KVH * hd values). Where
+      // this thread does all of row b's heads, its first job there asks ahead for the
+      // rows of every head, keys to L1 and values to L2: the later jobs find them in the
+      // cache instead of each missing on its own part of the same lines. On an EPYC
+      // Zen 4, where a busy tick's pool comes from memory (the weights stream through
+      // its 32 MB L3 between layers), 8 rows of 300-512 keys took 6-13 % less time
+      // (bench/paged_attention.py). A row split between the threads (one row: 3 heads
+      // on 2 threads) keeps one head's prefetch: there the wider one was 5-15 % slower.
+      const int64_t heads_ahead = kh == 0 && end - job >= KVH ? KVH : 0;
       // the query sits at position n when its own key is given (not in the pool yet),
       // else at n - 1 (its key is the pool's last)
       const int64_t at = kn ? n : n - 1;
