@@ -334,10 +334,14 @@ def test_family_flags_and_sliding_window_cap() -> None:
         num_attention_heads=2,
         max_position_embeddings=4096,
     )
+    # Mistral's and Phi-3's windows are run on every layer, as transformers does: no cap
     mistral = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": 1024})
-    assert mistral.family == "mistral" and mistral.max_position_embeddings == 1024
+    assert mistral.family == "mistral" and mistral.max_position_embeddings == 4096
+    assert mistral.window_of(0) == 1024 and mistral.rope_local_theta == mistral.rope_theta
+    phi3 = ModelConfig.from_hf_dict({**base, "model_type": "phi3", "sliding_window": 2047})
+    assert phi3.window_of(0) == 2047 and phi3.max_position_embeddings == 4096
     unwindowed = ModelConfig.from_hf_dict({**base, "model_type": "mistral", "sliding_window": None})
-    assert unwindowed.max_position_embeddings == 4096
+    assert unwindowed.max_position_embeddings == 4096 and unwindowed.window_of(0) is None
     qwen2 = ModelConfig.from_hf_dict(
         {
             **base,

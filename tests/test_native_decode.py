@@ -183,6 +183,7 @@ _FAMILIES = {
         ("qwen2", "qwen2-gqa"),
         ("qwen3", "qwen3-gqa"),
         ("gemma3", "gemma3-window"),
+        ("mistral", "mistral-window"),  # every layer a window of 8
     )
 }
 
@@ -214,11 +215,12 @@ def test_the_stack_serves_every_family(
 def test_without_each_familys_extra_the_stack_differs(family: str, tmp_path: Path) -> None:
     """The extras are used, not skipped: the stack on the family's model and on the
     same weights without its extra (biases zeroed, q/k norms dropped, Gemma's query
-    scale set to 1) give different logits."""
+    scale set to 1, Mistral's windows dropped) give different logits."""
     hf = make_hf_llama(**_FAMILIES[family])
     model = load_model(str(save_hf_llama(hf, tmp_path / "m")), dtype="bfloat16", device="cpu").model
-    pool, tables = _prefill(model, 1, 6)
-    seqs = [SeqInput(tables[0], 6, 1)]
+    length = 12 if family == "mistral" else 6  # past Mistral's windows of 8
+    pool, tables = _prefill(model, 1, length)
+    seqs = [SeqInput(tables[0], length, 1)]
     full = NativeDecode(model, narrow=False).forward([3], seqs, copy.deepcopy(pool))
     attn_w, _ = model.layer_weights(False)[0]
     if family == "qwen2":
@@ -229,6 +231,9 @@ def test_without_each_familys_extra_the_stack_differs(family: str, tmp_path: Pat
         assert attn_w.q_norm is not None
         with torch.no_grad():
             attn_w.q_norm.fill_(1.0)
+    elif family == "mistral":
+        assert model.config.window_of(0) == 8
+        model.config = dataclasses.replace(model.config, layer_types=())  # no windows
     else:
         model.shape = dataclasses.replace(model.shape, query_scale=1.0)
     cut = NativeDecode(model, narrow=False).forward([3], seqs, copy.deepcopy(pool))

@@ -3,11 +3,11 @@
 One decoder serves several open families; each is a variation the config names:
 
     llama    (as published; optional biases on every attention / MLP projection)
-    mistral  Llama's shape; a sliding window caps the context (below it, exact)
+    mistral  Llama's shape; its sliding window run on every layer (exact at any length)
     qwen2    bias on the q/k/v projections (not on o)
     qwen3    per-head RMSNorm of q and k before the rotary embedding, no bias
     phi3     Llama's math; the checkpoint stores q/k/v and gate/up already fused
-             (a sliding window caps the context, as for mistral)
+             (a sliding window run on every layer, as for mistral)
     gemma3   (the text model) norms that scale by (1 + weight) in fp32, four per layer
              (around attention and around the MLP), q/k norms, embeddings scaled by
              sqrt(hidden), GeGLU, queries scaled by query_pre_attn_scalar ** -0.5, and
@@ -266,6 +266,7 @@ class ModelConfig:
             heads = int(d["num_attention_heads"])
             head_dim = d.get("head_dim") or hidden // heads
             theta, scaling = (gemma.pop("rope_theta"), None) if gemma else _read_rope(d)
+            windows = _read_windows(d, family, theta)
             return cls(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -287,6 +288,7 @@ class ModelConfig:
                 qk_norm=family in ("qwen3", "gemma3"),
                 family=family,
                 **gemma,
+                **windows,
             )
         except KeyError as e:
             raise ModelConfigError(f"config is missing required key {e.args[0]!r}") from e
@@ -310,17 +312,39 @@ class ModelConfig:
 
 
 def _context_length(d: dict[str, Any], family: str) -> int:
-    """The longest context served exactly: a sliding window (Mistral; Qwen when it is
-    switched on) caps it, because this model attends over the whole context and the
-    two agree only while the context fits in the window."""
+    """The longest context served exactly: a sliding window Qwen switches on caps it,
+    because this model attends over the whole context in those layers and the two
+    agree only while the context fits in the window. Gemma 3's, Mistral's and Phi-3's
+    windows are run as windows (`_read_windows`): no cap."""
     limit = int(d.get("max_position_embeddings", 2048))
-    if family == "gemma3":  # its windows are run as windows: no cap
+    if family in ("gemma3", *_WINDOWED):
         return limit
     window = d.get("sliding_window")
     uses_window = d.get("use_sliding_window", family in ("mistral", "phi3"))
     if uses_window and isinstance(window, int) and 0 < window < limit:
         return window
     return limit
+
+
+# the families whose `sliding_window` windows every layer, as transformers runs them
+_WINDOWED = ("mistral", "phi3")
+
+
+def _read_windows(d: dict[str, Any], family: str, theta: float) -> dict[str, Any]:
+    """Mistral's and Phi-3's sliding window (`ModelConfig` keywords): with
+    `sliding_window` set, transformers masks every layer to the last `sliding_window`
+    positions, so every layer is a sliding one here, with the model's one rope base."""
+    window = d.get("sliding_window")
+    if family not in _WINDOWED or not d.get("use_sliding_window", True):
+        return {}
+    if not isinstance(window, int) or window <= 0:
+        return {}
+    layers = int(d["num_hidden_layers"])
+    return {
+        "layer_types": (SLIDING,) * layers,
+        "sliding_window": window,
+        "rope_local_theta": theta,
+    }
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
