@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _tiny(checkpoint: str, weights: str, dtype: str = "bfloat16") -> LlamaModel:
     """The checkpoint in bf16 (or float32: a default start on a CPU without bf16) with the
     weight set a worker would decode on: the dense one, a narrow int8 or int4 set beside
-    it (the default start), or all int8 (`--quant`, bf16 only)."""
+    it (the default start), or all int8 (`--quant`)."""
     model = load_model(checkpoint, dtype=dtype, device="cpu").model
     if weights in ("int8", "int4"):
         model.add_narrow(weights, 4)
@@ -69,8 +69,9 @@ def _prefill(model: LlamaModel, rows: int, length: int, blocks: int = 8) -> tupl
         ("dense", "bfloat16"),
         pytest.param("int8", "bfloat16", marks=needs_vnni),
         pytest.param("int4", "bfloat16", marks=needs_vnni),
-        pytest.param("quantized", "bfloat16", marks=needs_vnni),  # --quant: bf16 only
+        pytest.param("quantized", "bfloat16", marks=needs_vnni),  # --quant
         ("dense", "float32"),
+        pytest.param("quantized", "float32", marks=needs_vnni),  # --quant without bf16
         pytest.param("int8", "float32", marks=needs_vnni),
         pytest.param("int4", "float32", marks=needs_vnni),
     ],

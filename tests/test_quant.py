@@ -127,9 +127,35 @@ def test_a_row_in_a_quantized_batch_is_the_row_alone(folder: str, kind: str) -> 
     assert float(cos(together[1], alone[0], dim=0)) < 0.99
 
 
+@pytest.mark.parametrize(("kind", "min_cos"), [("int8", 0.999), ("int4", 0.98)])
+def test_a_quantized_float32_model_stays_close_to_its_float32_self(
+    folder: str, kind: str, min_cos: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--quant` on a CPU without bf16 (`--dtype auto` there is float32): the packed
+    weights with float32 activations, prefill (a 10-token chunk) and decode alike, stay
+    as close to the dense float32 model as the bf16 pair does; no bf16 model is loaded."""
+    import tokenfleet.model.loader as loader
+
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    dense = load_model(folder, dtype="float32", device="cpu")
+    packed = load_model(folder, dtype="auto", device="cpu", quant=kind)
+    assert packed.quant == kind and packed.dtype == torch.float32
+    prompt = [5, 77, 300, 12, 401, 9, 250, 33, 100, 7]
+    a, b = _logits(dense, prompt), _logits(packed, prompt)
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) >= min_cos
+    pools = [m.model.new_kv_pool(8, 16) for m in (dense, packed)]
+    (table,) = block_tables([len(prompt) + 1], 16, 8)
+    for m, pool in zip((dense, packed), pools, strict=True):
+        m.model.forward(prompt, [SeqInput(table, 0, len(prompt))], pool)
+    step = [SeqInput(table, len(prompt), 1)]
+    models = zip((dense, packed), pools, strict=True)
+    a, b = (m.model.forward([42], step, pool)[0] for m, pool in models)
+    assert float(torch.nn.functional.cosine_similarity(a, b, dim=0)) >= min_cos
+
+
 def test_bad_combinations_are_named(folder: str) -> None:
-    with pytest.raises(ModelLoadError, match="bfloat16 activations"):
-        load_model(folder, dtype="float32", device="cpu", quant="int8")
+    with pytest.raises(ModelLoadError, match="bfloat16 or float32 activations"):
+        load_model(folder, dtype="float16", device="cpu", quant="int8")
     with pytest.raises(ModelLoadError, match="unsupported quant 'int3'"):
         load_model(folder, device="cpu", quant="int3")
 

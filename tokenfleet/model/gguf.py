@@ -117,7 +117,7 @@ def load_gguf(
     """Read a `.gguf` file: config and tokenizer from its metadata, weights dequantized.
 
     `keep_q4`: projections whose matrices the file stores as Q4_0 / Q4_1 are kept as
-    int4 with those very blocks (the caller quantizes the rest; needs bfloat16).
+    int4 with those very blocks (the caller quantizes the rest; bf16 or float32).
     `q4_aside`: the same blocks packed in `LoadedModel.q4_blocks`, the model dense."""
     file = Path(path)
     reader = open_gguf(file)

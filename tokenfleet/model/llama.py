@@ -329,14 +329,15 @@ class LlamaModel(nn.Module):
         self, kind: QuantKind, prepacked: Mapping[str, PackedWeight] | None = None
     ) -> None:
         """Keep every projection and the LM head quantized (the head as int8 at least; the
-        embedding stays dense: a tick reads only its rows). Needs bf16 activations: the
-        kernels' fast path.
+        embedding stays dense: a tick reads only its rows). Activations in bf16, or in
+        float32 (a CPU without bf16: tokenfleet's kernels take them as they are, torch's
+        get them rounded to bf16, `PackedWeight.matmul`).
         `prepacked` (by module name, e.g. "layers.0.self_attn.qkv_proj", "lm_head") are
         used as they are; a projection already quantized is left alone."""
-        if self.dtype != torch.bfloat16:
+        if self.dtype not in (torch.bfloat16, torch.float32):
             raise QuantError(
-                f"{kind} weights run with bfloat16 activations; this model is {self.dtype} "
-                "(load it with dtype bfloat16 or auto)"
+                f"{kind} weights run with bfloat16 or float32 activations; this model is "
+                f"{self.dtype} (load it with dtype auto, bfloat16 or float32)"
             )
         if self.compiled is not None:
             raise QuantError("quantize before compiling")

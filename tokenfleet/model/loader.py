@@ -59,7 +59,8 @@ def load_model(
     `device="auto"` picks cuda when available, else cpu. `dtype="auto"` picks bfloat16
     where the hardware computes it natively (CUDA; CPUs with AVX512-BF16 or AMX), else
     float32. `quant` ("int8", "int4") keeps the projections and the LM head quantized
-    (`tokenfleet.model.quant`; CPU, bfloat16 activations, so "auto" means bfloat16).
+    (`tokenfleet.model.quant`; CPU, with bfloat16 or float32 activations: "auto" picks
+    as above, so a CPU without bf16 computes everything but the packed matmuls in float32).
     `deterministic` switches to batch-invariant numerics (`tokenfleet.model.deterministic`;
     `ModelLoadError` where this machine's kernels cannot give them).
     `q4_aside` (a dense bfloat16 load of a GGUF file): its Q4_0 / Q4_1 blocks packed in
@@ -85,8 +86,6 @@ def _load_quantized(
             raise ModelLoadError(f"unsupported quant {quant!r}; use one of {list(QUANT_KINDS)}")
         if torch_device.type != "cpu":
             raise ModelLoadError(f"{quant} weights run on the CPU only, not on {torch_device}")
-        if dtype == "auto":
-            dtype = "bfloat16"
     torch_dtype = resolve_dtype(dtype, torch_device)
     # int4 from a GGUF file: its Q4_0 / Q4_1 blocks are taken as they are
     aside = q4_aside and quant is None and torch_dtype in (torch.bfloat16, torch.float32)
@@ -119,8 +118,8 @@ def _load(
     if path_or_preset.endswith(".gguf"):
         from tokenfleet.model.gguf import load_gguf  # gguf and its deps only for .gguf
 
-        if keep_q4 and torch_dtype != torch.bfloat16:
-            raise ModelLoadError("int4 weights run with bfloat16 activations")
+        if keep_q4 and torch_dtype not in (torch.bfloat16, torch.float32):
+            raise ModelLoadError("int4 weights run with bfloat16 or float32 activations")
         return load_gguf(path_or_preset, torch_dtype, torch_device, keep_q4=keep_q4, q4_aside=aside)
 
     folder = Path(path_or_preset)
