@@ -351,7 +351,11 @@ def test_family_flags_and_sliding_window_cap() -> None:
         }
     )
     assert qwen2.family == "qwen2" and qwen2.qkv_bias and not qwen2.attention_bias
-    assert qwen2.max_position_embeddings == 4096  # the window is off
+    assert qwen2.max_position_embeddings == 4096 and qwen2.window_of(0) is None  # off
+    layered = {**base, "model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 512}
+    on = ModelConfig.from_hf_dict({**layered, "use_sliding_window": True, "max_window_layers": 1})
+    assert [on.window_of(i) for i in range(3)] == [None, 512, 512]
+    assert on.max_position_embeddings == 4096
     qwen3 = ModelConfig.from_hf_dict({**base, "model_type": "qwen3", "head_dim": 16})
     assert qwen3.qk_norm and not qwen3.has_qkv_bias
 

@@ -80,6 +80,15 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         num_key_value_heads=2,
         tie_word_embeddings=True,
     ),
+    "qwen2-window": dict(  # layer 0 full, layer 1 a window of 8
+        family="qwen2",
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    ),
     "qwen3-gqa": dict(
         family="qwen3", hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32
     ),

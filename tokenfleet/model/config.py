@@ -4,7 +4,8 @@ One decoder serves several open families; each is a variation the config names:
 
     llama    (as published; optional biases on every attention / MLP projection)
     mistral  Llama's shape; its sliding window run on every layer (exact at any length)
-    qwen2    bias on the q/k/v projections (not on o)
+    qwen2    bias on the q/k/v projections (not on o); a sliding window, when switched
+             on, on the layers from max_window_layers (as for qwen3)
     qwen3    per-head RMSNorm of q and k before the rotary embedding, no bias
     phi3     Llama's math; the checkpoint stores q/k/v and gate/up already fused
              (a sliding window run on every layer, as for mistral)
@@ -312,39 +313,33 @@ class ModelConfig:
 
 
 def _context_length(d: dict[str, Any], family: str) -> int:
-    """The longest context served exactly: a sliding window Qwen switches on caps it,
-    because this model attends over the whole context in those layers and the two
-    agree only while the context fits in the window. Gemma 3's, Mistral's and Phi-3's
-    windows are run as windows (`_read_windows`): no cap."""
-    limit = int(d.get("max_position_embeddings", 2048))
-    if family in ("gemma3", *_WINDOWED):
-        return limit
-    window = d.get("sliding_window")
-    uses_window = d.get("use_sliding_window", family in ("mistral", "phi3"))
-    if uses_window and isinstance(window, int) and 0 < window < limit:
-        return window
-    return limit
-
-
-# the families whose `sliding_window` windows every layer, as transformers runs them
-_WINDOWED = ("mistral", "phi3")
+    """The longest context served: every family's sliding windows are run as windows
+    (Gemma 3's `_read_gemma3`, the others' `_read_windows`), exact at any length."""
+    return int(d.get("max_position_embeddings", 2048))
 
 
 def _read_windows(d: dict[str, Any], family: str, theta: float) -> dict[str, Any]:
-    """Mistral's and Phi-3's sliding window (`ModelConfig` keywords): with
-    `sliding_window` set, transformers masks every layer to the last `sliding_window`
-    positions, so every layer is a sliding one here, with the model's one rope base."""
+    """The sliding windows of the families other than Gemma 3 (`ModelConfig` keywords),
+    as transformers runs them, with the model's one rope base: Mistral and Phi-3 window
+    every layer when `sliding_window` is set; Qwen2 and Qwen3 only when
+    `use_sliding_window` is on, the layers its `layer_types` says or else those from
+    `max_window_layers` on."""
     window = d.get("sliding_window")
-    if family not in _WINDOWED or not d.get("use_sliding_window", True):
-        return {}
     if not isinstance(window, int) or window <= 0:
         return {}
     layers = int(d["num_hidden_layers"])
-    return {
-        "layer_types": (SLIDING,) * layers,
-        "sliding_window": window,
-        "rope_local_theta": theta,
-    }
+    if family in ("mistral", "phi3") and d.get("use_sliding_window", True):
+        types = [SLIDING] * layers
+    elif family in ("qwen2", "qwen3") and d.get("use_sliding_window", False):
+        first = int(d.get("max_window_layers", 28))
+        types = list(
+            d.get("layer_types") or [SLIDING if i >= first else FULL for i in range(layers)]
+        )
+    else:
+        return {}
+    if SLIDING not in types:
+        return {}
+    return {"layer_types": tuple(types), "sliding_window": window, "rope_local_theta": theta}
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
