@@ -50,6 +50,11 @@ inline __m512 widen16(const uint16_t* p) {  // 16 bf16 -> 16 float32 (exact)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+inline __m512 round16(__m512 x) {  // to bf16 and back (nearest even)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
 // Ask for a row of HD bf16 values ahead of its use. A context's rows lie in blocks
 // scattered over the pool (16 rows of all KV heads each, one head's row every
 // KVH * HD values), so the hardware prefetcher loses the stream at every block edge.
@@ -586,9 +591,7 @@ inline void store16(float* out, __m512 v, int64_t live) {
   _mm512_mask_storeu_ps(out, keep, v);
 }
 inline void store16(Bf16InF32* out, __m512 v, int64_t live) {  // rounded to bf16, kept float32
-  const __m512 r = _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-  store16(reinterpret_cast<float*>(out), r, live);
+  store16(reinterpret_cast<float*>(out), round16(v), live);
 }
 
 template <int MR, typename O>
@@ -1028,10 +1031,6 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(e, n);
 }
 
-inline __m512 round16(__m512 x) {  // to bf16 and back (nearest even)
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
-}
 #endif
 
 class DecodeStack : public torch::CustomClassHolder {
