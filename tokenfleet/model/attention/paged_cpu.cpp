@@ -294,8 +294,9 @@ void decode_attention_impl(
     // time while this row is worked on: `pump` runs every 16 keys of each K and V pass,
     // `per` keys each, so the next row's reads are spread over this row's arithmetic
     // instead of each row's first pass waiting on memory alone. On an EPYC Zen 4, where
-    // a busy tick's pool comes from memory, 8 rows of 160-512 keys took 10-30 % less time
-    // (bench/paged_attention.py); the thread's first row still starts cold.
+    // a busy tick's pool comes from memory, 8 rows of 160-512 keys took 19-24 % less time,
+    // bf16 and float32 (bench/paged_attention.py, interleaved pairs); a thread's first row
+    // still starts cold.
     std::vector<int64_t> next;
     size_t next_at = 0, per = 0;
     auto pump = [&] {
@@ -322,7 +323,20 @@ void decode_attention_impl(
       const int64_t heads_ahead = kh == 0 && end - job >= KVH ? KVH : 0;
       const int64_t L = context(b, kh, where);
       scores.assign(G * std::max<int64_t>(L, 1), 0.0f);
-      if (kh == 0) {  // a new row: ask for the next one while on it, if this thread does it whole
+#ifdef TOKENFLEET_BF16_DOT
+      constexpr bool fast = std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+#else
+      constexpr bool fast = false;
+#endif
+#ifdef TOKENFLEET_AVX2_ATTN
+      constexpr bool avx2 = !fast && HD > 0 && HD % 32 == 0 &&
+                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+#else
+      constexpr bool avx2 = false;
+#endif
+      // a new row: ask for the next one while on it, if this thread does it whole (the
+      // fast and AVX2 passes call the pump; the plain loops do not)
+      if (kh == 0 && (fast || avx2)) {
         next.clear();
         next_at = 0;
         if (end - job >= 2 * KVH) {
@@ -337,17 +351,6 @@ void decode_attention_impl(
         return o < 0 ? fresh + (b * KVH + kh) * hd : pool + o;
       };
 
-#ifdef TOKENFLEET_BF16_DOT
-      constexpr bool fast = std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
-#else
-      constexpr bool fast = false;
-#endif
-#ifdef TOKENFLEET_AVX2_ATTN
-      constexpr bool avx2 = !fast && HD > 0 && HD % 32 == 0 &&
-                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
-#else
-      constexpr bool avx2 = false;
-#endif
       if constexpr (fast) {
 #ifdef TOKENFLEET_BF16_DOT
         const auto* q16 = reinterpret_cast<const uint16_t*>(qp + (b * H + kh * G) * hd);
@@ -594,11 +597,11 @@ inline int32_t four_bytes(const void* p) {  // 4 activation bytes as one broadca
 #ifdef TOKENFLEET_VNNI
 // How far ahead (bytes) a group's weight stream is asked for, a block at a time: the
 // weights of a tick come from memory (SmolLM2's int4 layers 66 MB, its int8 head 28 MB,
-// against a 32 MB L3). On an EPYC Zen 4, 30 layers of int4 weights (in process, the
-// distance switched between interleaved rounds) took 7-10 % less time at one row and
-// 15 % at eight (2048 and 4096 bytes alike; 512 no gain); int8's took 9-11 % less at 4
-// and 8 rows but 10 % more at one row, where its plain stream already reads ~25 GB/s,
-// so int8 asks ahead in its 4- and 8-row tiles only.
+// against a 32 MB L3). On an EPYC Zen 4 (bench/int_kernels.py, checkouts interleaved),
+// int4 took 13-22 % less time at 4-8 rows and the same at one (7-10 % less in process,
+// the distance switched between rounds; 2048 and 4096 bytes alike, 512 no gain); int8
+// took 5-18 % less at 4-8 rows but 10 % more at one row, where its plain stream already
+// reads ~25 GB/s, so int8 asks ahead in its 4- and 8-row tiles only.
 constexpr int64_t kWeightsAhead = 2048;
 
 inline __m512 load16(const c10::BFloat16* p) {  // bf16
