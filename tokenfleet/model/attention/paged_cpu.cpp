@@ -592,17 +592,23 @@ inline int32_t four_bytes(const void* p) {  // 4 activation bytes as one broadca
   std::memcpy(&v, p, 4);
   return v;
 }
+
+// How far ahead (bytes) a group's weight stream is asked for, a block at a time: the
+// weights of a tick come from memory (SmolLM2's int4 layers 66 MB, its int8 head 28 MB,
+// against an L3 of 32 MB at most). Which tiles ask: each kernel family's comment below.
+constexpr int64_t kWeightsAhead = 2048;
 #endif
 
 #ifdef TOKENFLEET_VNNI
-// How far ahead (bytes) a group's weight stream is asked for, a block at a time: the
-// weights of a tick come from memory (SmolLM2's int4 layers 66 MB, its int8 head 28 MB,
-// against a 32 MB L3). On an EPYC Zen 4 (bench/int_kernels.py, checkouts interleaved),
-// int4 took 13-22 % less time at 4-8 rows and the same at one (7-10 % less in process,
-// the distance switched between rounds; 2048 and 4096 bytes alike, 512 no gain); int8
-// took 5-18 % less at 4-8 rows but 10 % more at one row, where its plain stream already
-// reads ~25 GB/s, so int8 asks ahead in its 4- and 8-row tiles only.
-constexpr int64_t kWeightsAhead = 2048;
+// How far ahead the weight stream is asked for (kWeightsAhead, above) on AVX-512: on an
+// EPYC Zen 4 (bench/int_kernels.py, checkouts interleaved), int4 took 13-22 % less time
+// at 4-8 rows and the same at one (7-10 % less in process, the distance switched between
+// rounds; 2048 and 4096 bytes alike, 512 no gain); int8 took 5-18 % less at 4-8 rows but
+// 10 % more at one row, where its plain stream already reads ~25 GB/s, so int8 asks ahead
+// in its 4- and 8-row tiles only. The tiles are kept out of line, as on AVX2 (below): gcc
+// kept the 4- and 8-row ones out of line on its own and inlined the 1- and 2-row ones;
+// all out of line read the same on a Zen 4 (the fastest of 7 rounds 0-6 % quicker at one
+// and two rows, medians within the host's noise; three interleaved sets).
 
 inline __m512 load16(const c10::BFloat16* p) {  // bf16
   return widen16(reinterpret_cast<const uint16_t*>(p));
@@ -640,8 +646,8 @@ inline void store16(Bf16InF32* out, __m512 v, int64_t live) {  // rounded to bf1
 }
 
 template <int MR, typename O>
-inline void q8_group(const QRows& q, int64_t m0, const int8_t* w, const float* ws, int64_t g,
-                     int64_t K, int64_t N, O* out) {
+[[gnu::noinline]] void q8_group(const QRows& q, int64_t m0, const int8_t* w, const float* ws,
+                                int64_t g, int64_t K, int64_t N, O* out) {
   const int64_t B = K / 32;
   const int8_t* wg = w + g * 16 * K;
   const __m512i half = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -675,8 +681,8 @@ inline void q8_group(const QRows& q, int64_t m0, const int8_t* w, const float* w
 }
 
 template <int MR, typename O>
-inline void q4_group(const QRows& q, int64_t m0, const uint8_t* w, const at::Half* d,
-                     const at::Half* mw, int64_t g, int64_t K, int64_t N, O* out) {
+[[gnu::noinline]] void q4_group(const QRows& q, int64_t m0, const uint8_t* w, const at::Half* d,
+                                const at::Half* mw, int64_t g, int64_t K, int64_t N, O* out) {
   const int64_t B = K / 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const uint8_t* wg = w + g * B * 256;
@@ -780,9 +786,8 @@ inline void store8(c10::BFloat16* out, __m256 v, int64_t live) {  // bf16, neare
 // sums would not fit the registers, so each half is a pass of its own (the second finds
 // the group's weights in L1/L2) and nothing is asked ahead (it read no faster). Kept out
 // of line: inlined into the thread loop beside the one-pass tiles, the four-row tile ran
-// 20-40 % slower. On an EPYC Zen 3 (bench/int_kernels.py, checkouts interleaved) one row
+// 18-48 % slower. On an EPYC Zen 3 (bench/int_kernels.py, checkouts interleaved) one row
 // took 10-20 % less time than two passes (int4 and int8), four and eight rows the same.
-constexpr int64_t kWeightsAhead = 2048;
 
 template <int MR>
 constexpr int halves_per_pass() {
