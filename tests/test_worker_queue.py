@@ -36,6 +36,8 @@ from tokenfleet.worker.queue import (
     TickWrite,
     Verdict,
     WorkerQueue,
+    _packed,
+    _stack,
 )
 
 BAND = next(band for band in KEYS.bands() if band.name == DEFAULT_BAND)
@@ -173,6 +175,29 @@ def test_a_tick_sends_events_and_the_finish_together(r: redis.Redis) -> None:
     assert tick(a, write) == [TickReply(TickVerdict.DONE, 1)]
     assert [type(e) for e in events(r, "job-0")] == [TokenEvent, FinishEvent]
     assert r.xlen(STREAM) == 0
+
+
+def test_a_round_trip_is_packed_as_redis_py_packs_it(r: redis.Redis) -> None:
+    """The round trip's own packing (hiredis, a command per call) sends the very bytes
+    redis-py's packer would, for every command a tick sends: tick.lua with a token and an
+    end, pull.lua, the heartbeat (HSET, EXPIRE, ZADD with a float score, PUBLISH); and
+    hands what hiredis cannot pack to redis-py's packer."""
+    submit(r, 1)
+    a = worker(r, "a")
+    (d,) = a.read(1)
+    pipe = _stack(r)
+    a.tick([TickWrite(d, "job-0", _tokens("job-0", range(2)), outcome("job-0"))], pipe)
+    a.pull(7, pipe, extra=1, floor=("batch",))
+    a.heartbeat({"slots": 8, "load": 0.25, "name": "é"}, pipe=pipe)
+    commands = [args for args, _ in pipe.command_stack]
+    assert {type(arg) for args in commands for arg in args} >= {str, bytes, int, float}
+    conn = r.connection_pool.get_connection()
+    try:
+        assert _packed(conn, commands) == [b"".join(conn.pack_commands(commands))]
+        odd = [("SET", "k", memoryview(b"v"))]  # hiredis refuses it: redis-py packs it
+        assert b"".join(_packed(conn, odd)) == b"".join(conn.pack_commands(odd))
+    finally:
+        r.connection_pool.release(conn)
 
 
 def test_a_tick_refuses_mismatched_job_ids(r: redis.Redis) -> None:
