@@ -19,11 +19,15 @@ venv: $(STAMP)
 
 # `--runner llamacpp` (an optional extra): llama-cpp-python, which PyPI has as source only,
 # patched for gcc 12's AMX miscompile and built for this CPU (-march=native) without its
-# multimodal library (scripts/llama_cpp_python.sh). The wheel is kept per CPU under
-# ~/.cache/tokenfleet/llama.cpp/wheels, so another venv on this machine installs it at once.
+# multimodal library and without OpenMP (scripts/llama_cpp_python.sh). The wheel is kept
+# per CPU and build under ~/.cache/tokenfleet/llama.cpp/wheels, so another venv on this
+# machine installs it at once; a venv holding another build of the same version gets this
+# one (--force-reinstall: pip takes the same version for installed).
 LLAMACPP_STAMP := $(VENV)/.llamacpp
 $(LLAMACPP_STAMP): $(STAMP) scripts/llama_cpp_python.sh
-	$(BIN)/pip install -q "$$(bash scripts/llama_cpp_python.sh wheel $(BIN)/pip)"
+	wheel="$$(bash scripts/llama_cpp_python.sh wheel $(BIN)/pip)" && \
+	  $(BIN)/pip install -q "$$wheel" && \
+	  $(BIN)/pip install -q --no-deps --force-reinstall "$$wheel"
 	touch $(LLAMACPP_STAMP)
 
 llamacpp: $(LLAMACPP_STAMP)

@@ -15,6 +15,13 @@
 # (a local label: `llama-cpp-python==0.3.36` still matches it), which is how the runner
 # knows it may keep llama.cpp's AMX weight repacking on.
 #
+# Built without OpenMP (GGML_OPENMP=OFF): OpenMP's threads spin after every tick while
+# the worker sends the tick's Redis round trip, and redis-server and the clients then
+# find both cores of a small machine taken. Without it the runner computes on a ggml
+# thread pool of its own whose threads sleep between ticks (LlamaCppRunner's ThreadPool):
+# on an EPYC Zen 4, 3-8 % more tok/s in each workload of two bench runs
+# (docs/benchmarks.md). llama-server (bench/build_llamacpp.sh) keeps llama.cpp's default.
+#
 # Everything lives under ${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp},
 # shared with bench/build_llamacpp.sh (llama-server from the same source). The wheel is
 # built with -march=native, so it is kept per CPU (flags, model name and compiler hashed):
@@ -57,8 +64,9 @@ source_dir() {
 
 wheel() {
   local pip=$1 key out found
+  local cmake_args="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=OFF"
   key=$({
-    echo "$VERSION+$LABEL"
+    echo "$VERSION+$LABEL $cmake_args"
     grep -m1 '^flags' /proc/cpuinfo || true
     grep -m1 '^model name' /proc/cpuinfo || true
     "${CXX:-g++}" --version 2>/dev/null | head -1 || true
@@ -68,8 +76,8 @@ wheel() {
   if [[ -z $found ]]; then
     source_dir
     mkdir -p "$out"
-    # no multimodal library (mtmd/llava): the runner does not use it
-    CMAKE_ARGS="-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON" nice -n 10 \
+    # no multimodal library (mtmd/llava): the runner does not use it; no OpenMP (above)
+    CMAKE_ARGS="$cmake_args" nice -n 10 \
       "$pip" wheel -q --no-deps "$PKG" -w "$out.tmp" >&2
     mv "$out.tmp"/llama_cpp_python-*.whl "$out"/
     rm -rf "$out.tmp"

@@ -18,6 +18,7 @@ tests/test_llamacpp_fleet.py.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -308,6 +309,56 @@ def test_a_neighbour_takes_a_llama_cpp_thread_and_gives_it_back(runner: LlamaCpp
         _stop(neighbour)
     threads_become(2)
     assert runner.threads == 2
+
+
+def _thread_cpu_s(skip: set[int]) -> float:
+    """CPU seconds so far of this process's threads, but those in `skip`."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        if int(task.name) in skip:
+            continue
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_build_without_openmp_computes_on_a_pool_that_sleeps_between_ticks(
+    runner: LlamaCppRunner,
+) -> None:
+    """`make llamacpp` builds llama.cpp without OpenMP, whose threads spin after every
+    tick (scripts/llama_cpp_python.sh): the runner then attaches a ggml pool of its
+    threads that polls for no work, so between ticks they use no CPU, and its tokens
+    are those of llama.cpp making its threads afresh each tick."""
+    assert SMOLLM2 is not None
+    openmp = b"OPENMP = 1" in runner.lib.llama_print_system_info()
+    if openmp:  # a llama-cpp-python built elsewhere: OpenMP's threads, no pool
+        assert runner.pool is None and "OpenMP" in runner.info["threads_between_ticks"]
+        return
+    assert runner.pool is not None and runner.pool.threads == 2
+    assert runner.info["threads_between_ticks"] == "a pool that sleeps (no polling)"
+
+    requests = jobs(runner, new=16)[:2]  # greedy
+    pooled = serve(runner, requests, concurrency=2)
+    main = threading.get_native_id()
+    before = _thread_cpu_s({main})
+    threading.Event().wait(0.5)  # idle: measured, not waited on
+    assert _thread_cpu_s({main}) - before < 0.05  # spinning would take ~0.5 s
+
+    options = LlamaCppOptions(
+        kv_budget_bytes=KV,
+        block_size=16,
+        max_sequences=8,
+        max_tick_tokens=8 + 256,
+        threads=2,
+        thread_pool=False,
+    )
+    plain = LlamaCppRunner(SMOLLM2, options)
+    try:
+        assert plain.pool is None
+        assert plain.info["threads_between_ticks"].startswith("none")
+        assert serve(plain, requests, concurrency=2) == pooled
+    finally:
+        plain.close()
 
 
 SYSTEM = (
@@ -643,6 +694,8 @@ def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
     gemma = LlamaCppRunner(path, options)
     try:
         assert not gemma.spec.shares_prefix and "sliding-window" in gemma.info["prefix_sharing"]
+        # its repacked Q4_K weights compute on llama.cpp's own threads (ThreadPool says why)
+        assert gemma.pool is None
         tok = gemma.tokenizer
         assert tok is not None
         prompts = ["The capital of France is", "def fibonacci(n):"]

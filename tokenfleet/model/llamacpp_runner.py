@@ -157,6 +157,9 @@ class LlamaCppOptions:
     max_kept: int | None = None
     # a KV stream per sequence (max_sequences streams), else one pool: see above
     kv_streams: bool = False
+    # a llama.cpp built without OpenMP: compute on a pool of threads of our own that
+    # sleep between ticks (see `ThreadPool`); False: llama.cpp's own, one made per tick
+    thread_pool: bool = True
 
 
 def import_llama_cpp() -> ModuleType:
@@ -295,6 +298,15 @@ class LlamaCppRunner:
             self.ctx = lib.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise ModelLoadError(f"llama.cpp could not create a context for {self.path}")
+        self.pool: ThreadPool | None = None
+        openmp = b"OPENMP = 1" in (lib.llama_print_system_info() or b"")
+        # weights llama.cpp repacked into an extra buffer type (CPU_REPACK, AMX) compute
+        # wrong on an attached pool in this llama.cpp (Gemma 3's Q4_K_M file: every
+        # token 0), right on the threads it starts itself each tick
+        repacked = sorted({m["device"] for m in map(_BUFFER.search, lines) if m} - {"CPU"})
+        if options.thread_pool and not openmp and not repacked and threads > 1:
+            self.pool = ThreadPool(lib, threads)
+            self.pool.attach(self.ctx)
         self.memory = lib.llama_get_memory(self.ctx)
         self.cells = int(lib.llama_n_ctx(self.ctx))
         self.stream_cells = int(lib.llama_n_ctx_seq(self.ctx)) if streams else 0
@@ -341,6 +353,14 @@ class LlamaCppRunner:
                 else "one pool (unified)"
             ),
             "threads": threads,
+            "threads_between_ticks": (
+                "OpenMP's (they spin a while after each tick)"
+                if openmp
+                else "a pool that sleeps (no polling)"
+                if self.pool is not None
+                else "none (llama.cpp starts its threads each tick"
+                + (f": {', '.join(repacked)} weights)" if repacked else ")")
+            ),
             "ubatch": ubatch,
             "allocated_mib": {k: round(v / MiB, 2) for k, v in self.allocated.items()},
             "prefix_sharing": refused or "on (cells lent between sequences)",
@@ -702,9 +722,77 @@ class LlamaCppRunner:
         if getattr(self, "ctx", None):
             self.lib.llama_free(self.ctx)
             self.ctx = None
+        pool: ThreadPool | None = getattr(self, "pool", None)
+        if pool is not None:
+            pool.free()  # after the context that computed on it
+            self.pool = None
         if getattr(self, "model", None):
             self.lib.llama_model_free(self.model)
             self.model = None
+
+
+class _PoolParams(ctypes.Structure):
+    """ggml.h's `ggml_threadpool_params`."""
+
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * 512),  # GGML_MAX_N_THREADS
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+class ThreadPool:
+    """A ggml thread pool whose threads sleep between ticks, attached to a context.
+
+    llama.cpp built with OpenMP computes a tick on OpenMP's threads, which spin after it
+    (libgomp's default) while the worker's Python sends the tick's Redis round trip, and
+    redis-server and the clients that wake for it then find both cores taken: on 2 cores
+    the round trip's send took 0.83 ms of wall time against 0.44 without OpenMP
+    (bench/redis_overhead.py, EPYC Zen 4), its CPU ~0.2. Built without OpenMP, llama.cpp
+    makes and joins its threads every tick unless a pool is attached; this one polls
+    for no work between ticks (`poll` 0: its threads wait on a condition variable, woken
+    once a tick) and spins only at the barriers within one, as llama.cpp's own do. It
+    has `threads` threads; `llama_set_n_threads` may use fewer (the thread governor).
+
+    Not where llama.cpp repacked weights into an extra buffer type (CPU_REPACK, AMX:
+    K-quant and Q4_0 files on x86): in this llama.cpp those compute wrong on an attached
+    pool (Gemma 3's Q4_K_M file: every token 0) and right on the threads llama.cpp
+    starts itself each tick, so such a file gets those."""
+
+    def __init__(self, lib: ModuleType, threads: int) -> None:
+        import llama_cpp
+
+        folder = Path(llama_cpp.__file__).parent / "lib"
+        self._llama = lib._lib
+        self._ggml = ctypes.CDLL(str(folder / "libggml-cpu.so"))
+        base = ctypes.CDLL(str(folder / "libggml-base.so"))
+        params = _PoolParams()
+        base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
+        base.ggml_threadpool_params_init.restype = None
+        base.ggml_threadpool_params_init(ctypes.byref(params), threads)
+        params.poll = 0
+        self._ggml.ggml_threadpool_new.argtypes = [ctypes.POINTER(_PoolParams)]
+        self._ggml.ggml_threadpool_new.restype = ctypes.c_void_p
+        self._ggml.ggml_threadpool_free.argtypes = [ctypes.c_void_p]
+        self._ggml.ggml_threadpool_free.restype = None
+        self._llama.llama_attach_threadpool.argtypes = [ctypes.c_void_p] * 3
+        self._llama.llama_attach_threadpool.restype = None
+        self.handle: int | None = self._ggml.ggml_threadpool_new(ctypes.byref(params))
+        if not self.handle:
+            raise ModelLoadError(f"ggml could not start a pool of {threads} threads")
+        self.threads = threads
+
+    def attach(self, ctx: Any) -> None:
+        """Compute `ctx`'s ticks (decode and prompt batches alike) on this pool."""
+        self._llama.llama_attach_threadpool(ctx, self.handle, self.handle)
+
+    def free(self) -> None:
+        if self.handle:
+            self._ggml.ggml_threadpool_free(self.handle)
+            self.handle = None
 
 
 class BlockCells:
