@@ -2,6 +2,7 @@
 against a real `tokenfleet worker` through Redis, the same model, 2 threads, one run.
 
 Usage: python bench/redis_overhead.py [--rounds 3] [--new 256] [--threads 2]
+           [--runner torch|llamacpp]
            [--workers 'via Redis=,spin 30k=GOMP_SPINCOUNT=30000']
            [--out bench/out/redis_overhead.json] [--plot docs/img/redis_overhead.png]
 
@@ -9,14 +10,17 @@ One stream of 32 prompt + `--new` tokens, greedy, eos ignored, fresh prompt ids 
 time; generation tok/s = (tokens - 2) / (last token - second token) on both sides:
 
   in process   the worker's own model set-up (`worker.main.torch_model`: the engine
-               plan, its probe and compile) and `Engine.step` until the job ends;
-  via Redis    `tokenfleet worker --model M --threads T` (bench/_timed_worker.py: the
+               plan, its probe and compile; with `--runner llamacpp` the worker's
+               llama.cpp runner on the preset's GGUF, sized as the worker sizes it) and
+               `Engine.step` until the job ends;
+  via Redis    `tokenfleet worker --model M --threads T [--runner R]` (bench/_timed_worker.py: the
                same worker with its loop's phases timed) on a redis-server of this
                run's own, the job submitted with `Producer.submit` and followed with
                `JobHandle.stream()`, as a client does.
 
-`--workers` starts one worker per entry, NAME=ENV (space-separated VAR=VALUE pairs set
-in that worker's environment only, e.g. OpenMP's), each on a key prefix of its own.
+`--workers` starts one worker per entry, NAME=ENV FLAGS (space-separated VAR=VALUE pairs set
+in that worker's environment only, e.g. OpenMP's, then worker flags, e.g. `--no-overlap`),
+each on a key prefix of its own.
 Rounds alternate the sides (ABBA). After the rounds each worker drains and reports its
 loop's wall time per tick: the engine's step, sending the tick's round trip (fenced
 writes, the read of what comes next), applying the last one's replies, and admitting.
@@ -26,6 +30,7 @@ the client cost a stream on these cores.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -72,14 +77,21 @@ def rate(stamps: list[float]) -> float:
     return (len(stamps) - 2) / (stamps[-1] - stamps[1])
 
 
-def in_process(threads: int) -> Callable[[GenerationRequest], float]:
+def in_process(threads: int, runner: str) -> Callable[[GenerationRequest], float]:
     from tokenfleet.config.worker import WorkerSettings
+    from tokenfleet.model.build import LoadedModel
+    from tokenfleet.seam import ModelRunner
     from tokenfleet.worker.engine import Engine
-    from tokenfleet.worker.main import engine_config, torch_model
+    from tokenfleet.worker.main import _llamacpp_runner, engine_config, torch_model
 
-    settings = WorkerSettings(model=MODEL, threads=threads)
-    loaded, _, _ = torch_model(settings)
-    engine = Engine(loaded, engine_config(settings))
+    settings = WorkerSettings(model=MODEL, threads=threads, runner=runner)
+    config = engine_config(settings)
+    model: ModelRunner | LoadedModel
+    if runner == "llamacpp":
+        model, _, _ = _llamacpp_runner(settings, config)
+    else:
+        model, _, _ = torch_model(settings)
+    engine = Engine(model, config)
 
     def run(req: GenerationRequest) -> float:
         assert engine.submit(req).accepted
@@ -97,6 +109,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--runner", choices=("torch", "llamacpp"), default="torch")
     p.add_argument("--workers", default="via Redis=")
     outputs(p, "redis_overhead")
     args = p.parse_args()
@@ -110,15 +123,18 @@ def main() -> None:
         for n, (name, extra) in enumerate(envs.items()):
             timings = tmp / f"phases-{n}.json"
             env = dict(os.environ, TIMED_WORKER_OUT=str(timings))
-            env.update(pair.split("=", 1) for pair in extra.split())
+            words = extra.split()  # leading VAR=VALUE words: its environment; the rest: flags
+            own = list(itertools.takewhile(lambda w: not w.startswith("-") and "=" in w, words))
+            env.update(pair.split("=", 1) for pair in own)
             prefix = f"overhead{n}"
             cmd = [sys.executable, str(HERE / "_timed_worker.py"), "worker"]
             cmd += ["--redis-url", server.url, "--prefix", prefix, "--name", prefix]
-            cmd += ["--model", MODEL, "--threads", str(args.threads)]
+            cmd += ["--model", MODEL, "--threads", str(args.threads), "--runner", args.runner]
+            cmd += words[len(own) :]
             log = open(tmp / f"worker-{n}.log", "w")  # noqa: SIM115 (kept to the end)
             proc = subprocess.Popen(cmd, env=env, stderr=log, stdout=log)
             workers[name] = (proc, Producer.from_url(server.url, prefix=prefix), timings)
-        local = in_process(args.threads)  # loads while the workers load
+        local = in_process(args.threads, args.runner)  # loads while the workers load
         for n, (name, (proc, producer, _)) in enumerate(workers.items()):
             while not producer.redis.exists(producer.keys.worker(f"overhead{n}")):
                 if proc.poll() is not None:
@@ -161,6 +177,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "model": MODEL,
         "threads": args.threads,
+        "runner": args.runner,
         "new_tokens": args.new,
         "rounds": args.rounds,
         "workers": envs,
@@ -183,7 +200,7 @@ def main() -> None:
         bars, err = spread_errors([report["tok_s"][n] for n in rates])
         ax.bar(list(rates), bars, yerr=err, capsize=4)
         ax.set_ylabel("generation tok/s (one stream)")
-        ax.set_title(f"{MODEL}, default start, {args.threads} threads")
+        ax.set_title(f"{MODEL}, {args.runner} runner, {args.threads} threads")
 
 
 if __name__ == "__main__":

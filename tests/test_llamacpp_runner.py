@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,13 +67,18 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runner() -> Iterator[LlamaCppRunner]:
-    assert SMOLLM2 is not None
+def eight(**changes: object) -> LlamaCppOptions:
+    """The module runner's options (8 sequences, 2 threads), with `changes`."""
     options = LlamaCppOptions(
         kv_budget_bytes=KV, block_size=16, max_sequences=8, max_tick_tokens=8 + 256, threads=2
     )
-    r = LlamaCppRunner(SMOLLM2, options)
+    return replace(options, **changes)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[LlamaCppRunner]:
+    assert SMOLLM2 is not None
+    r = LlamaCppRunner(SMOLLM2, eight())
     yield r
     r.close()
 
@@ -344,15 +350,7 @@ def test_a_build_without_openmp_computes_on_a_pool_that_sleeps_between_ticks(
     threading.Event().wait(0.5)  # idle: measured, not waited on
     assert _thread_cpu_s({main}) - before < 0.05  # spinning would take ~0.5 s
 
-    options = LlamaCppOptions(
-        kv_budget_bytes=KV,
-        block_size=16,
-        max_sequences=8,
-        max_tick_tokens=8 + 256,
-        threads=2,
-        thread_pool=False,
-    )
-    plain = LlamaCppRunner(SMOLLM2, options)
+    plain = LlamaCppRunner(SMOLLM2, eight(thread_pool=False))
     try:
         assert plain.pool is None
         assert plain.info["threads_between_ticks"].startswith("none")
