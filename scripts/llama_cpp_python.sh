@@ -19,8 +19,9 @@
 # the worker sends the tick's Redis round trip, and redis-server and the clients then
 # find both cores of a small machine taken. Without it the runner computes on a ggml
 # thread pool of its own whose threads sleep between ticks (LlamaCppRunner's ThreadPool):
-# on an EPYC Zen 4, 3-8 % more tok/s in each workload of two bench runs
-# (docs/benchmarks.md). llama-server (bench/build_llamacpp.sh) keeps llama.cpp's default.
+# on an EPYC Zen 4, ahead of the OpenMP build in 9 of 12 workloads over four bench runs,
+# by 3 % on average (docs/benchmarks.md). llama-server (bench/build_llamacpp.sh) keeps
+# llama.cpp's default.
 #
 # Everything lives under ${TOKENFLEET_LLAMACPP_DIR:-$HOME/.cache/tokenfleet/llama.cpp},
 # shared with bench/build_llamacpp.sh (llama-server from the same source). The wheel is
