@@ -181,7 +181,7 @@ def test_a_round_trip_is_packed_as_redis_py_packs_it(r: redis.Redis) -> None:
     """The round trip's own packing (hiredis, a command per call) sends the very bytes
     redis-py's packer would, for every command a tick sends: tick.lua with a token and an
     end, pull.lua, the heartbeat (HSET, EXPIRE, ZADD with a float score, PUBLISH); and
-    hands what hiredis cannot pack to redis-py's packer."""
+    hands what hiredis would pack otherwise, or not at all, to redis-py's packer."""
     submit(r, 1)
     a = worker(r, "a")
     (d,) = a.read(1)
@@ -194,8 +194,10 @@ def test_a_round_trip_is_packed_as_redis_py_packs_it(r: redis.Redis) -> None:
     conn = r.connection_pool.get_connection()
     try:
         assert _packed(conn, commands) == [b"".join(conn.pack_commands(commands))]
-        odd = [("SET", "k", memoryview(b"v"))]  # hiredis refuses it: redis-py packs it
-        assert b"".join(_packed(conn, odd)) == b"".join(conn.pack_commands(odd))
+        # what hiredis refuses (a bytearray) or would pack as one word (a two-word
+        # command name, which redis-py splits) goes through redis-py's packer
+        for odd in ([("SET", "k", bytearray(b"v"))], [*commands, ("CLIENT SETNAME", "w")]):
+            assert b"".join(_packed(conn, odd)) == b"".join(conn.pack_commands(odd))
     finally:
         r.connection_pool.release(conn)
 

@@ -303,7 +303,8 @@ class LlamaCppRunner:
         # weights llama.cpp repacked into an extra buffer type (CPU_REPACK, AMX) compute
         # wrong on an attached pool in this llama.cpp (Gemma 3's Q4_K_M file: every
         # token 0), right on the threads it starts itself each tick
-        repacked = sorted({m["device"] for m in map(_BUFFER.search, lines) if m} - {"CPU"})
+        devices = {m["device"] for m in map(_BUFFER.search, lines) if m}
+        repacked = sorted(devices - {"CPU", "CPU_Mapped"})  # (a mapped file is not repacked)
         if options.thread_pool and not openmp and not repacked and threads > 1:
             self.pool = ThreadPool(lib, threads)
             self.pool.attach(self.ctx)
