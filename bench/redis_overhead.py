@@ -23,7 +23,9 @@ in that worker's environment only, e.g. OpenMP's, then worker flags, e.g. `--no-
 each on a key prefix of its own.
 Rounds alternate the sides (ABBA). After the rounds each worker drains and reports its
 loop's wall time per tick: the engine's step, sending the tick's round trip (fenced
-writes, the read of what comes next), applying the last one's replies, and admitting.
+writes, the read of what comes next), applying the last one's replies, and admitting;
+and each phase's CPU time on the loop's thread ("cpu PHASE"): where wall exceeds CPU
+outside the step, the loop was off its core (another process ran there).
 The difference between the sides is what the scheduler's Redis loop, redis-server and
 the client cost a stream on these cores.
 """
@@ -169,9 +171,10 @@ def main() -> None:
         phases = json.loads(timings.read_text())
         ticks = phases["tick"][1]
         per_tick[name] = {phase: 1000 * s / ticks for phase, (s, _) in phases.items()}
-        per_tick[name]["loop outside the step"] = (
-            per_tick[name]["iteration"] - per_tick[name]["tick"]
-        )
+        for prefix in ("", "cpu "):
+            per_tick[name][f"{prefix}loop outside the step"] = (
+                per_tick[name][f"{prefix}iteration"] - per_tick[name][f"{prefix}tick"]
+            )
         per_tick[name]["ticks"] = ticks
     medians = {name: spread(v)["median"] for name, v in rates.items()}
     report: dict[str, Any] = {

@@ -150,3 +150,22 @@ def test_a_cancel_is_seen_within_the_interval(fleet: Fleet, r: redis.Redis) -> N
     assert result.finish_reason == FinishReason.CANCELLED
     assert len(result.token_ids) < 2000
     assert worker.wait(60) == 0, worker.output()
+
+
+def test_between_flush_ticks_a_busy_worker_makes_no_round_trip(
+    fleet: Fleet, r: redis.Redis
+) -> None:
+    """A tick with nothing to send (tokens held for the next flush, no first token, no
+    end, no heartbeat due) costs no round trip: not even the read of new entries, which
+    waits for the next flush tick as the tokens do. One 240-token job at interval 8 is
+    about 30 flush ticks of tick.lua + pull.lua; reading on every tick would be 240+."""
+    producer = Producer(r)
+    (request,) = _jobs("co-quiet", 1, 240)
+    handle = producer.submit(request)
+    r.config_resetstat()
+    worker = fleet.start("co-q", "--stream-interval", "8")
+    events = collect(handle, 120)
+    assert worker.wait(120) == 0, worker.output()
+    assert [e.token_id for e in events] == handle.result(timeout=10).token_ids
+    scripts = int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    assert 30 <= scripts <= 100, scripts

@@ -378,8 +378,14 @@ class Worker:
         durable = self.options.durable
         held = [h for h in self.held.values() if h.outbox.in_tick(flush, durable)]
         writes = [h.write(durable) for h in held]
+        beat = self._heartbeat_fields() if self._heartbeat_due() else None
         pull = None
-        if not self.draining and (self.engine.has_work or held):
+        # Between flush ticks a busy worker reads no new entries unless a round trip goes
+        # anyway (a first token, an end, the heartbeat): a tick with nothing to write then
+        # costs no round trip at all, and a job waiting in the stream is read within
+        # stream_interval ticks, as its tokens would be sent
+        reads = flush or bool(held) or beat is not None or not self.engine.has_work
+        if not self.draining and (self.engine.has_work or held) and reads:
             # plus interactive jobs that would preempt lower bands running here (looked
             # for on flush ticks: a full worker's every-tick look was most of a coalescing
             # fleet's Redis work per tick)
@@ -389,7 +395,6 @@ class Worker:
                 extra=max(0, self.engine.interactive_room() - top) if flush else 0,
                 floor=self._floor_bands() if flush else (),
             )
-        beat = self._heartbeat_fields() if self._heartbeat_due() else None
         wait = None
         if durable and writes:
             wait = (self.options.wait_replicas, self.options.wait_timeout_ms)
