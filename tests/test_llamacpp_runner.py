@@ -35,6 +35,7 @@ from tokenfleet.model.chat import render_chat
 from tokenfleet.model.llamacpp_runner import (
     LlamaCppOptions,
     LlamaCppRunner,
+    _loaded,
     buffer_bytes,
 )
 from tokenfleet.model.smollm2 import smollm2_gguf_path
@@ -358,13 +359,26 @@ def test_a_build_without_openmp_computes_on_a_pool_that_sleeps_between_ticks(
         assert serve(plain, requests, concurrency=2) == pooled
     finally:
         plain.close()
-    # a mapped file (no weight repacking, as on an AMX CPU without the fix) is no
-    # repacked one: it gets the pool too
+    # a mapped file (no weight repacking, as on an AMX CPU without the fix) gets it too
     mapped = LlamaCppRunner(SMOLLM2, eight(extra_bufts=False))
     try:
         assert mapped.pool is not None, mapped.info["threads_between_ticks"]
     finally:
         mapped.close()
+    # the pool is made by the copy of ggml's CPU library libllama computes with: the
+    # wheel's `.so` and `.so.0` are two files, and opening the other maps a second copy
+    maps = Path("/proc/self/maps").read_text().split()
+    assert len({Path(w).name for w in maps if Path(w).name.startswith("libggml-cpu.so")}) == 1
+
+
+def test_the_pool_takes_the_ggml_library_already_mapped(tmp_path: Path) -> None:
+    lib = tmp_path / "lib"
+    maps = tmp_path / "maps"
+    line = "7f00-7f10 r-xp 00000000 08:01 42 {}\n"
+    maps.write_text(line.format("/usr/lib/libc.so.6") + line.format(lib / "libggml-cpu.so.0"))
+    assert _loaded(lib, "libggml-cpu", str(maps)) == lib / "libggml-cpu.so.0"
+    assert _loaded(tmp_path / "elsewhere", "libggml-cpu", str(maps)).name == "libggml-cpu.so.0"
+    assert _loaded(lib, "libggml-base", str(tmp_path / "absent")) == lib / "libggml-base.so.0"
 
 
 SYSTEM = (
@@ -700,8 +714,10 @@ def test_gemma3_runs_on_llama_cpp_as_llama_cpp_alone() -> None:
     gemma = LlamaCppRunner(path, options)
     try:
         assert not gemma.spec.shares_prefix and "sliding-window" in gemma.info["prefix_sharing"]
-        # its repacked Q4_K weights compute on llama.cpp's own threads (ThreadPool says why)
-        assert gemma.pool is None
+        # its Q4_K weights repacked (CPU_REPACK on x86) compute on the runner's pool: a
+        # pool from another copy of ggml's library gave token 0 every time (ThreadPool)
+        openmp = b"OPENMP = 1" in gemma.lib.llama_print_system_info()
+        assert (gemma.pool is None) == openmp, gemma.info["threads_between_ticks"]
         tok = gemma.tokenizer
         assert tok is not None
         prompts = ["The capital of France is", "def fibonacci(n):"]

@@ -300,12 +300,7 @@ class LlamaCppRunner:
                 raise ModelLoadError(f"llama.cpp could not create a context for {self.path}")
         self.pool: ThreadPool | None = None
         openmp = b"OPENMP = 1" in (lib.llama_print_system_info() or b"")
-        # weights llama.cpp repacked into an extra buffer type (CPU_REPACK, AMX) compute
-        # wrong on an attached pool in this llama.cpp (Gemma 3's Q4_K_M file: every
-        # token 0), right on the threads it starts itself each tick
-        devices = {m["device"] for m in map(_BUFFER.search, lines) if m}
-        repacked = sorted(devices - {"CPU", "CPU_Mapped"})  # (a mapped file is not repacked)
-        if options.thread_pool and not openmp and not repacked and threads > 1:
+        if options.thread_pool and not openmp and threads > 1:
             self.pool = ThreadPool(lib, threads)
             self.pool.attach(self.ctx)
         self.memory = lib.llama_get_memory(self.ctx)
@@ -359,8 +354,7 @@ class LlamaCppRunner:
                 if openmp
                 else "a pool that sleeps (no polling)"
                 if self.pool is not None
-                else "none (llama.cpp starts its threads each tick"
-                + (f": {', '.join(repacked)} weights)" if repacked else ")")
+                else "none (llama.cpp starts its threads each tick)"
             ),
             "ubatch": ubatch,
             "allocated_mib": {k: round(v / MiB, 2) for k, v in self.allocated.items()},
@@ -758,18 +752,19 @@ class ThreadPool:
     once a tick) and spins only at the barriers within one, as llama.cpp's own do. It
     has `threads` threads; `llama_set_n_threads` may use fewer (the thread governor).
 
-    Not where llama.cpp repacked weights into an extra buffer type (CPU_REPACK, AMX:
-    K-quant and Q4_0 files on x86): in this llama.cpp those compute wrong on an attached
-    pool (Gemma 3's Q4_K_M file: every token 0) and right on the threads llama.cpp
-    starts itself each tick, so such a file gets those."""
+    The pool must come from the copy of ggml's CPU library that libllama computes with
+    (`_loaded`): the wheel holds `libggml-cpu.so` and `libggml-cpu.so.0` as two files,
+    and a pool made by the other copy runs that copy's code on its own state, which
+    knows nothing of the weights libllama's copy repacked (CPU_REPACK, AMX): on it
+    Gemma 3's Q4_K_M file gave token 0 every time."""
 
     def __init__(self, lib: ModuleType, threads: int) -> None:
         import llama_cpp
 
         folder = Path(llama_cpp.__file__).parent / "lib"
         self._llama = lib._lib
-        self._ggml = ctypes.CDLL(str(folder / "libggml-cpu.so"))
-        base = ctypes.CDLL(str(folder / "libggml-base.so"))
+        self._ggml = ctypes.CDLL(str(_loaded(folder, "libggml-cpu")))
+        base = ctypes.CDLL(str(_loaded(folder, "libggml-base")))
         params = _PoolParams()
         base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(_PoolParams), ctypes.c_int]
         base.ggml_threadpool_params_init.restype = None
@@ -794,6 +789,22 @@ class ThreadPool:
         if self.handle:
             self._ggml.ggml_threadpool_free(self.handle)
             self.handle = None
+
+
+def _loaded(folder: Path, name: str, maps: str = "/proc/self/maps") -> Path:
+    """The file of library `name` (e.g. "libggml-cpu") in `folder` that this process has
+    already mapped, the one libllama links to; else `name.so.0`, its soname. Opening
+    another file of the same library (a wheel keeps `.so`, `.so.0` and `.so.0.x.y` as
+    copies, not links) would load a second copy with state of its own."""
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            mapped = [line.split(maxsplit=5)[-1].strip() for line in f if len(line.split()) >= 6]
+    except OSError:
+        mapped = []
+    for path in map(Path, mapped):
+        if path.parent == folder and path.name.startswith(f"{name}.so"):
+            return path
+    return folder / f"{name}.so.0"
 
 
 class BlockCells:
