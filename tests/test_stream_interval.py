@@ -169,3 +169,21 @@ def test_between_flush_ticks_a_busy_worker_makes_no_round_trip(
     assert [e.token_id for e in events] == handle.result(timeout=10).token_ids
     scripts = int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
     assert 30 <= scripts <= 100, scripts
+
+
+def test_a_busy_coalescing_worker_still_reads_new_jobs(fleet: Fleet, r: redis.Redis) -> None:
+    """Between flush ticks a coalescing worker reads nothing, but a job submitted while
+    it is busy is read on its next flush tick: it runs beside the first job and ends
+    long before it, rather than waiting for the worker to go idle."""
+    producer = Producer(r)
+    (long,) = _jobs("co-busy-long", 1, 1500)
+    (short,) = _jobs("co-busy-short", 1, 8)
+    first = producer.submit(long)
+    worker = fleet.start("co-busy", "--stream-interval", "8")
+    wait_for(lambda: int(r.hget(KEYS.job(first.id), "emitted") or 0) >= 24, 60, "first mid-stream")
+    second = producer.submit(short)
+    assert len(second.result(timeout=60).token_ids) == 8
+    emitted = int(r.hget(KEYS.job(first.id), "emitted") or 0)
+    assert emitted < 1500, "the second job waited for the first to end"
+    assert len(first.result(timeout=120).token_ids) == 1500
+    assert worker.wait(60) == 0, worker.output()
