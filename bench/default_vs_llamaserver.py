@@ -5,6 +5,7 @@ Usage: python bench/default_vs_llamaserver.py [--variants 'default=,int4=--quant
            (the llama.cpp runner: --variants 'llamacpp=--runner llamacpp' --theirs q4_1;
            leading VAR=VALUE words set the worker's environment: 'old=TOKENFLEET_X=0')
            [--theirs q4_1,q8_0] [--rounds 3 (--quick: 1)] [--quick] [--llamacpp-bin DIR]
+           [--also LABEL=DIR,... (the same files under other llama.cpp builds too)]
            [--out bench/out/default_vs_llamaserver.json]
            [--plot bench/out/default_vs_llamaserver.png]
 
@@ -184,15 +185,18 @@ class WorkerSide:
 class ServerSide:
     """One GGUF file under llama-server: a server per workload, -np its job count."""
 
-    def __init__(self, bin_dir: Path, name: str, path: Path, work: Workloads) -> None:
-        self.name = f"llama-server {THEIRS[name].label(name)}"
+    def __init__(
+        self, bin_dir: Path, name: str, path: Path, work: Workloads, build: str = ""
+    ) -> None:
+        self.name = f"llama-server {THEIRS[name].label(name)}" + (f" ({build})" if build else "")
         self.path = path
         self.servers: dict[str, Server] = {}
         self.held_back = 0  # tokens its streams left out (counted from their stop)
         try:
             for scenario, jobs in work.scenarios().items():
                 ctx = round_up(max(len(j.prompt_ids) + j.max_new for j in jobs) + 16, 256)
-                log = CACHE / "logs" / f"dvl-llama-server-{name}-{scenario}.log"
+                tag = f"-{build}" if build else ""
+                log = CACHE / "logs" / f"dvl-llama-server-{name}{tag}-{scenario}.log"
                 self.servers[scenario] = Server(bin_dir, path, THREADS, len(jobs), ctx, log)
         except BaseException:
             self.close()
@@ -469,6 +473,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, help="default 3 (--quick: 1)")
     p.add_argument("--quick", action="store_true", help="tiny lengths, 1 round (< 3 min)")
     p.add_argument("--llamacpp-bin", help="llama.cpp bin dir (default: build_llamacpp.sh)")
+    p.add_argument(
+        "--also",
+        default="",
+        help="LABEL=BIN-DIR,...: the same files under each other build's llama-server too, "
+        "as sides of the same run (e.g. 'no-openmp=/path/to/build-noomp/bin')",
+    )
     p.add_argument("--out", default="bench/out/default_vs_llamaserver.json")
     p.add_argument("--plot", default="bench/out/default_vs_llamaserver.png")
     args = p.parse_args()
@@ -476,6 +486,7 @@ def main() -> None:
     theirs = [n.strip() for n in args.theirs.split(",") if n.strip()]
     if not variants or not theirs or any(n not in THEIRS for n in theirs):
         sys.exit(f"need --variants and --theirs (of {', '.join(THEIRS)})")
+    also = dict(entry.split("=", 1) for entry in args.also.split(",") if entry.strip())
     settings = Settings.quick() if args.quick else Settings.full()
     rounds = args.rounds or (1 if args.quick else 3)
 
@@ -506,8 +517,9 @@ def main() -> None:
                     "ready_s": worker.ready_s,
                     "heartbeat_after_warm_up": worker.heartbeat(),
                 }
-            for name, path in files.items():
-                server = ServerSide(bin_dir, name, path, bench.work)
+            builds = [("", bin_dir), *((b, Path(d)) for b, d in also.items())]
+            for (build, folder), (name, path) in itertools.product(builds, files.items()):
+                server = ServerSide(folder, name, path, bench.work, build)
                 bench.sides.append(server)
                 log(f"{server.name}: up ({path.name}); warming up")
                 bench.warm_up(server)
@@ -545,6 +557,7 @@ def main() -> None:
         workers=beats,
         llamacpp={
             "bin": str(bin_dir),
+            "also": also,
             "version": version,
             "files": {n: {"path": str(f), "bytes": f.stat().st_size} for n, f in files.items()},
         },
