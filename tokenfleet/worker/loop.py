@@ -384,7 +384,7 @@ class Worker:
         # anyway (a first token, an end, the heartbeat): a tick with nothing to write then
         # costs no round trip at all, and a job waiting in the stream is read within
         # stream_interval ticks, as its tokens would be sent
-        reads = flush or bool(held) or beat is not None or not self.engine.has_work
+        reads = flush or bool(held) or beat is not None
         if not self.draining and (self.engine.has_work or held) and reads:
             # plus interactive jobs that would preempt lower bands running here (looked
             # for on flush ticks: a full worker's every-tick look was most of a coalescing
