@@ -187,3 +187,70 @@ def test_a_busy_coalescing_worker_still_reads_new_jobs(fleet: Fleet, r: redis.Re
     assert emitted < 1500, "the second job waited for the first to end"
     assert len(first.result(timeout=120).token_ids) == 1500
     assert worker.wait(60) == 0, worker.output()
+
+
+# ---- by time: --stream-interval-ms ---------------------------------------------------
+
+
+def test_an_interval_is_ticks_or_a_time_not_both() -> None:
+    from tokenfleet.config.worker import WorkerSettings
+
+    assert WorkerSettings(stream_interval_ms=25).stream_interval_ms == 25
+    with pytest.raises(ValueError, match="not both"):
+        WorkerSettings(stream_interval=4, stream_interval_ms=25)
+    for bad in (0, -5, 20_000):
+        with pytest.raises(ValueError, match="stream_interval_ms"):
+            WorkerSettings(stream_interval_ms=bad)
+    with pytest.raises(ValueError, match="exclude each other"):
+        WorkerOptions(stream_interval=4, stream_interval_s=0.025)
+    with pytest.raises(ValueError, match="stream_interval_s"):
+        WorkerOptions(stream_interval_s=0.0)
+
+
+def _tokens_per_entry(
+    fleet: Fleet, r: redis.Redis, name: str, tokens: int, tick_ms: int, interval_ms: int
+) -> list[int]:
+    """One job of `tokens` on a sim worker ticking at least every `tick_ms` with
+    `--stream-interval-ms interval_ms`: each replay entry's token count, after checking
+    the client got every token once, in order, equal to the stored result, and the
+    entries hold each index once, in order, ending with the finish."""
+    handle = Producer(r).submit(prompt=name, max_new_tokens=tokens, ignore_eos=True)
+    sim = ("--runner", "sim", "--sim-tok-s", "5000", "--sim-tick-ms", str(tick_ms))
+    worker = fleet.start(name, *sim, "--stream-interval-ms", str(interval_ms))
+    events = collect(handle, 120)
+    assert worker.wait(120) == 0, worker.output()
+    result = handle.result(timeout=10)
+    assert [e.token_id for e in events] == result.token_ids
+    assert len(result.token_ids) == tokens
+    entries = _entries(r, handle.id)
+    flat = [e for entry in entries for e in entry if isinstance(e, TokenEvent)]
+    assert [(e.index, e.token_id) for e in flat] == list(enumerate(result.token_ids))
+    assert isinstance(entries[-1][-1], FinishEvent)
+    return [sum(isinstance(e, TokenEvent) for e in entry) for entry in entries]
+
+
+def test_by_time_a_tick_slower_than_the_interval_sends_every_token(
+    fleet: Fleet, r: redis.Redis
+) -> None:
+    """Ticks of at least 20 ms against a 5 ms interval: each tick's token goes out with
+    its tick, one per entry, as at interval 1 (a time bound never holds slow ticks)."""
+    counts = _tokens_per_entry(fleet, r, "co-ms-slow", 30, tick_ms=20, interval_ms=5)
+    assert counts == [1] * 30, counts
+
+
+def test_by_time_fast_ticks_share_a_send_within_the_interval(fleet: Fleet, r: redis.Redis) -> None:
+    """Ticks of at least 20 ms against a 200 ms interval: the first token at once, then
+    the held tokens once 200 ms passed, which at 20 ms or more a tick is within 10
+    ticks: no entry holds more than 10 tokens (the 64-tick bound is not what sends),
+    and tokens do share entries."""
+    counts = _tokens_per_entry(fleet, r, "co-ms-fast", 60, tick_ms=20, interval_ms=200)
+    assert counts[0] == 1, counts  # time to first token is never held back
+    assert max(counts) <= 10, counts
+    assert max(counts) >= 2 and len(counts) < 60, counts
+
+
+def test_by_time_no_send_holds_more_than_64_ticks(fleet: Fleet, r: redis.Redis) -> None:
+    """A 10 s interval over ticks of ~1 ms: the held tokens still go out every
+    MAX_STREAM_INTERVAL (64) ticks, the bound a coalesced payload is sized for."""
+    counts = _tokens_per_entry(fleet, r, "co-ms-cap", 200, tick_ms=1, interval_ms=10_000)
+    assert max(counts) <= 64 and len(counts) >= 5, counts  # 1 + ceil(199 / 64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from tokenfleet.config.common import Env, Flag, Settings
 
@@ -176,6 +176,19 @@ class WorkerSettings(Settings):
             le=64,
         ),
     ] = 1
+    stream_interval_ms: Annotated[
+        float | None,
+        Env("TOKENFLEET_STREAM_INTERVAL_MS"),
+        Flag("--stream-interval-ms"),
+        Field(
+            description="instead of --stream-interval: send a job's held tokens once this "
+            "many ms passed since the last send (and at least every 64 ticks), coalesced as "
+            "--stream-interval does: fast ticks share a send, a tick slower than this sends "
+            "every time; at steady ticks a token waits less than this",
+            gt=0,
+            le=10_000,
+        ),
+    ] = None
     wait_replicas: Annotated[
         int,
         Env("TOKENFLEET_WAIT_REPLICAS"),
@@ -211,6 +224,14 @@ class WorkerSettings(Settings):
         Field(description="tests only: fail the forward of jobs whose metadata has this key"),
     ] = None
     verbose: Annotated[bool, Flag("--verbose", "-v"), Field(description="log at INFO")] = False
+
+    @model_validator(mode="after")
+    def _one_interval(self) -> WorkerSettings:
+        if self.stream_interval_ms is not None and self.stream_interval != 1:
+            raise ValueError(
+                "give --stream-interval (ticks) or --stream-interval-ms (a time), not both"
+            )
+        return self
 
     @field_validator("runner")
     @classmethod

@@ -100,6 +100,11 @@ class WorkerOptions:
     # falls about as 1/interval, each token waits up to interval-1 ticks more
     # (docs/benchmarks.md, coordination cost)
     stream_interval: int = 1
+    # Or by time (`--stream-interval-ms`): a tick sends the held tokens once this many
+    # seconds passed since the last tick that did (or MAX_STREAM_INTERVAL ticks, the
+    # payload's bound): fast ticks share a send, a tick slower than this sends every
+    # time, and no token waits as long as this
+    stream_interval_s: float | None = None
     # Durable mode (a Redis with replicas): each round trip ends with WAIT for this many
     # replicas, and a token reaches clients only once acknowledged (docs/design.md,
     # "Failover"); 0: off, tokens are published as they are written
@@ -116,6 +121,11 @@ class WorkerOptions:
             raise ValueError(
                 f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {self.stream_interval}"
             )
+        if self.stream_interval_s is not None:
+            if not self.stream_interval_s > 0:
+                raise ValueError(f"stream_interval_s must be > 0, got {self.stream_interval_s}")
+            if self.stream_interval != 1:
+                raise ValueError("stream_interval and stream_interval_s exclude each other")
 
 
 @dataclass
@@ -157,6 +167,11 @@ class Worker:
         self._last_claim = 0.0
         self._last_floor = 0.0
         self._ticks = 0  # engine ticks run (flush ticks: every stream_interval'th)
+        # by time (stream_interval_s): whether the last tick is a flush tick, when the
+        # last flush tick ended, and the ticks since
+        self._timed_flush = True
+        self._last_flush = -math.inf
+        self._since_flush = 0
         self._replicas_warned = -math.inf  # when durable mode last said a WAIT fell short
         self._resync = False  # after a reconnect: re-read own pending list, resend events
         self._all_deferred = False  # the last admit put back every entry it read
@@ -318,6 +333,8 @@ class Worker:
             return
         self._ticks += 1
         out = self.engine.step()  # outcomes land in the held jobs' outboxes
+        if self.options.stream_interval_s is not None:
+            self._time_flush(time.monotonic())
         if self.metrics is not None:
             self.metrics.observe_tick(self.engine, out)
 
@@ -420,8 +437,24 @@ class Worker:
         while draining (nothing held back), else every `stream_interval`'th tick, the
         same one for all jobs, so the ticks between send no write but first tokens and
         ends (and no pull when the worker is full)."""
-        interval = 1 if self.draining else self.options.stream_interval
-        return self._ticks % interval == 0
+        if self.draining:
+            return True
+        if self.options.stream_interval_s is not None:
+            return self._timed_flush
+        return self._ticks % self.options.stream_interval == 0
+
+    def _time_flush(self, now: float) -> None:
+        """By time: the tick that just ended flushes once stream_interval_s passed since
+        the last one that did (or MAX_STREAM_INTERVAL ticks). Decided at the tick's end:
+        a held token goes out with the first tick that ends stream_interval_s or more
+        after the last send, so at steady ticks it waits less than stream_interval_s
+        (less than that plus one tick when a tick runs long)."""
+        assert self.options.stream_interval_s is not None
+        self._since_flush += 1
+        due = now - self._last_flush >= self.options.stream_interval_s
+        self._timed_flush = due or self._since_flush >= MAX_STREAM_INTERVAL
+        if self._timed_flush:
+            self._last_flush, self._since_flush = now, 0
 
     def _floor_bands(self) -> tuple[str, ...]:
         """The lower bands this worker holds no job of, about once a second (pull.lua

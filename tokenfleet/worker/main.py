@@ -112,6 +112,9 @@ def worker_options(settings: WorkerSettings, info: dict[str, Any]) -> WorkerOpti
         drain_timeout_s=settings.drain_timeout,
         overlap=settings.overlap,
         stream_interval=settings.stream_interval,
+        stream_interval_s=None
+        if settings.stream_interval_ms is None
+        else settings.stream_interval_ms / 1000,
         wait_replicas=settings.wait_replicas,
         wait_timeout_ms=settings.wait_timeout_ms,
         info=info,
