@@ -3,6 +3,9 @@
 #
 #   bench/build_llamacpp.sh            # prints the bin dir on its last line
 #   BIN=$(bench/build_llamacpp.sh | tail -1)
+#   OPENMP=off bench/build_llamacpp.sh  # llama-server alone, built without OpenMP
+#                                       # (ggml's own thread pool) in build-noomp: for
+#                                       # default_vs_llamaserver.py --also no-openmp=DIR
 #
 # Source comes from the llama-cpp-python sdist on PyPI (it vendors llama.cpp),
 # so no git or other network access is needed. Everything goes under
@@ -19,6 +22,11 @@ BIN=$BUILD/bin
 STAMP=$BUILD/.tokenfleet-built  # lists the tools this llama.cpp does not have
 # llama-quantize / llama-perplexity: bench/vs_llamacpp.py (Q8_0 / F32 files, perplexity)
 TOOLS=(llama-server llama-batched-bench llama-cli llama-bench llama-quantize llama-perplexity)
+FLAGS=()
+if [[ ${OPENMP:-on} == off ]]; then
+  BUILD=$ROOT/build-noomp BIN=$ROOT/build-noomp/bin STAMP=$ROOT/build-noomp/.tokenfleet-built
+  TOOLS=(llama-server) FLAGS=(-DGGML_OPENMP=OFF)
+fi
 
 # 0. Already built (every tool there, or known to be missing from this source)? Done.
 built() {
@@ -49,7 +57,7 @@ fi
 #    the sdist changelog since there is no .git.
 cmake -S "$SRC" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_COMMIT=0c1e57098
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_COMMIT=0c1e57098 "${FLAGS[@]}"
 available=$(cmake --build "$BUILD" --target help)
 targets=()
 skipped=()
