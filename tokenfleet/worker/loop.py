@@ -103,7 +103,7 @@ class WorkerOptions:
     # Or by time (`--stream-interval-ms`): a tick sends the held tokens once this many
     # seconds passed since the last tick that did (or MAX_STREAM_INTERVAL ticks, the
     # payload's bound): fast ticks share a send, a tick slower than this sends every
-    # time, and no token waits as long as this
+    # time, and at steady ticks no token waits as long as this
     stream_interval_s: float | None = None
     # Durable mode (a Redis with replicas): each round trip ends with WAIT for this many
     # replicas, and a token reaches clients only once acknowledged (docs/design.md,
@@ -167,11 +167,9 @@ class Worker:
         self._last_claim = 0.0
         self._last_floor = 0.0
         self._ticks = 0  # engine ticks run (flush ticks: every stream_interval'th)
-        # by time (stream_interval_s): whether the last tick is a flush tick, when the
-        # last flush tick ended, and the ticks since
-        self._timed_flush = True
+        # by time (stream_interval_s): the last flush tick's number and when it ended
+        self._flush_tick = 0
         self._last_flush = -math.inf
-        self._since_flush = 0
         self._replicas_warned = -math.inf  # when durable mode last said a WAIT fell short
         self._resync = False  # after a reconnect: re-read own pending list, resend events
         self._all_deferred = False  # the last admit put back every entry it read
@@ -440,7 +438,7 @@ class Worker:
         if self.draining:
             return True
         if self.options.stream_interval_s is not None:
-            return self._timed_flush
+            return self._flush_tick == self._ticks
         return self._ticks % self.options.stream_interval == 0
 
     def _time_flush(self, now: float) -> None:
@@ -450,11 +448,9 @@ class Worker:
         after the last send, so at steady ticks it waits less than stream_interval_s
         (less than that plus one tick when a tick runs long)."""
         assert self.options.stream_interval_s is not None
-        self._since_flush += 1
         due = now - self._last_flush >= self.options.stream_interval_s
-        self._timed_flush = due or self._since_flush >= MAX_STREAM_INTERVAL
-        if self._timed_flush:
-            self._last_flush, self._since_flush = now, 0
+        if due or self._ticks - self._flush_tick >= MAX_STREAM_INTERVAL:
+            self._flush_tick, self._last_flush = self._ticks, now
 
     def _floor_bands(self) -> tuple[str, ...]:
         """The lower bands this worker holds no job of, about once a second (pull.lua
