@@ -84,13 +84,13 @@ def in_process(threads: int, runner: str) -> Callable[[GenerationRequest], float
     from tokenfleet.model.build import LoadedModel
     from tokenfleet.seam import ModelRunner
     from tokenfleet.worker.engine import Engine
-    from tokenfleet.worker.main import _llamacpp_runner, engine_config, torch_model
+    from tokenfleet.worker.main import engine_config, llamacpp_model, torch_model
 
     settings = WorkerSettings(model=MODEL, threads=threads, runner=runner)
     config = engine_config(settings)
     model: ModelRunner | LoadedModel
     if runner == "llamacpp":
-        model, _, _ = _llamacpp_runner(settings, config)
+        model, _, _ = llamacpp_model(settings, config)
     else:
         model, _, _ = torch_model(settings)
     engine = Engine(model, config)

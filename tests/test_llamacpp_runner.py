@@ -50,7 +50,7 @@ from tokenfleet.seam import (
     TickPlan,
 )
 from tokenfleet.worker.engine import Engine, EngineConfig
-from tokenfleet.worker.main import _llamacpp_runner, engine_config
+from tokenfleet.worker.main import engine_config, llamacpp_model
 from tokenfleet.worker.threads import ThreadGovernor
 
 SMOLLM2 = smollm2_gguf_path()
@@ -290,9 +290,9 @@ def test_a_neighbour_takes_a_llama_cpp_thread_and_gives_it_back(runner: LlamaCpp
     llama.cpp's own, and killing the neighbour gives the thread back."""
     assert SMOLLM2 is not None
     pinned = WorkerSettings(runner="llamacpp", model=str(SMOLLM2), threads=1, kv_mb=8)
-    assert _llamacpp_runner(pinned, engine_config(pinned))[2] is None
+    assert llamacpp_model(pinned, engine_config(pinned))[2] is None
     free = WorkerSettings(runner="llamacpp", model=str(SMOLLM2), kv_mb=8)
-    other, _, governor = _llamacpp_runner(free, engine_config(free))
+    other, _, governor = llamacpp_model(free, engine_config(free))
     try:
         assert governor is not None and governor.threads == other.threads >= 2
     finally:
@@ -380,6 +380,11 @@ def test_the_pool_takes_the_ggml_library_already_mapped(tmp_path: Path) -> None:
     elsewhere = tmp_path / "elsewhere"  # not mapped from there: the soname's file there
     assert _loaded(elsewhere, "libggml-cpu", str(maps)) == elsewhere / "libggml-cpu.so.0"
     assert _loaded(lib, "libggml-base", str(tmp_path / "absent")) == lib / "libggml-base.so.0"
+    # the package found through a symlinked folder: the maps name the real path
+    lib.mkdir()
+    (tmp_path / "linked").symlink_to(lib)
+    linked = tmp_path / "linked"
+    assert _loaded(linked, "libggml-cpu", str(maps)) == lib / "libggml-cpu.so.0"
 
 
 SYSTEM = (

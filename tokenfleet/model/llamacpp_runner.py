@@ -795,14 +795,16 @@ def _loaded(folder: Path, name: str, maps: str = "/proc/self/maps") -> Path:
     """The file of library `name` (e.g. "libggml-cpu") in `folder` that this process has
     already mapped, the one libllama links to; else `name.so.0`, its soname. Opening
     another file of the same library (a wheel keeps `.so`, `.so.0` and `.so.0.x.y` as
-    copies, not links) would load a second copy with state of its own."""
+    copies, not links) would load a second copy with state of its own. The maps name
+    real paths, so the folder is compared resolved (a venv reached through a symlink)."""
     try:
         with open(maps, encoding="utf-8", errors="replace") as f:
             mapped = [line.split(maxsplit=5)[-1].strip() for line in f if len(line.split()) >= 6]
     except OSError:
         mapped = []
+    real = folder.resolve()
     for path in map(Path, mapped):
-        if path.parent == folder and path.name.startswith(f"{name}.so"):
+        if path.name.startswith(f"{name}.so") and path.parent in (folder, real):
             return path
     return folder / f"{name}.so.0"
 

@@ -143,7 +143,7 @@ def build_worker(settings: WorkerSettings) -> Worker:
     if settings.runner == "sim":
         model, info, governor = _sim_runner(settings)
     elif settings.runner == "llamacpp":
-        model, info, governor = _llamacpp_runner(settings, engine)
+        model, info, governor = llamacpp_model(settings, engine)
     else:
         model, info, governor = torch_model(settings)
     options = worker_options(settings, info)
@@ -234,7 +234,7 @@ def llamacpp_options(
     )
 
 
-def _llamacpp_runner(
+def llamacpp_model(
     settings: WorkerSettings, engine: EngineConfig
 ) -> tuple[ModelRunner, dict[str, Any], ThreadGovernor | None]:
     """The model on llama.cpp, sized to the node's budget, what the heartbeat says about
