@@ -2,12 +2,14 @@
 against a real `tokenfleet worker` through Redis, the same model, 2 threads, one run.
 
 Usage: python bench/redis_overhead.py [--rounds 3] [--new 256] [--threads 2]
-           [--runner torch|llamacpp]
+           [--runner torch|llamacpp] [--streams 1]
            [--workers 'via Redis=,spin 30k=GOMP_SPINCOUNT=30000']
            [--out bench/out/redis_overhead.json] [--plot docs/img/redis_overhead.png]
 
 One stream of 32 prompt + `--new` tokens, greedy, eos ignored, fresh prompt ids each
-time; generation tok/s = (tokens - 2) / (last token - second token) on both sides:
+time; generation tok/s = (tokens - 2) / (last token - second token) on both sides.
+`--streams N` runs N such jobs at once (submitted together, each followed on a thread of
+its own through Redis) and reports their rates' sum, the aggregate generation tok/s:
 
   in process   the worker's own model set-up (`worker.main.torch_model`: the engine
                plan, its probe and compile; with `--runner llamacpp` the worker's
@@ -39,6 +41,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,7 +82,7 @@ def rate(stamps: list[float]) -> float:
     return (len(stamps) - 2) / (stamps[-1] - stamps[1])
 
 
-def in_process(threads: int, runner: str) -> Callable[[GenerationRequest], float]:
+def in_process(threads: int, runner: str) -> Callable[[list[GenerationRequest]], float]:
     from tokenfleet.config.worker import WorkerSettings
     from tokenfleet.model.build import LoadedModel
     from tokenfleet.seam import ModelRunner
@@ -95,13 +98,15 @@ def in_process(threads: int, runner: str) -> Callable[[GenerationRequest], float
         model, _, _ = torch_model(settings)
     engine = Engine(model, config)
 
-    def run(req: GenerationRequest) -> float:
-        assert engine.submit(req).accepted
-        stamps = []
+    def run(reqs: list[GenerationRequest]) -> float:
+        assert all(engine.submit(req).accepted for req in reqs)
+        stamps: dict[str, list[float]] = {req.job_id: [] for req in reqs}
         while engine.has_work:
-            engine.step()
-            stamps.append(time.perf_counter())
-        return rate(stamps)
+            out = engine.step()
+            now = time.perf_counter()
+            for job_id in {t.job_id for t in out.tokens}:
+                stamps[job_id].append(now)
+        return sum(rate(s) for s in stamps.values())
 
     return run
 
@@ -112,6 +117,7 @@ def main() -> None:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runner", choices=("torch", "llamacpp"), default="torch")
+    p.add_argument("--streams", type=int, default=1, help="jobs at once (aggregate tok/s)")
     p.add_argument("--workers", default="via Redis=")
     outputs(p, "redis_overhead")
     args = p.parse_args()
@@ -143,21 +149,35 @@ def main() -> None:
                     raise SystemExit(f"worker {name!r} exited: see {tmp}")
                 time.sleep(0.5)
 
-        def via(producer: Producer) -> Callable[[GenerationRequest], float]:
-            def run(req: GenerationRequest) -> float:
-                return rate([time.perf_counter() for _ in producer.submit(req).stream()])
+        def via(producer: Producer) -> Callable[[list[GenerationRequest]], float]:
+            def run(reqs: list[GenerationRequest]) -> float:
+                handles = [producer.submit(req) for req in reqs]
+                stamps: list[list[float]] = [[] for _ in reqs]
+
+                def follow(i: int) -> None:
+                    stamps[i] = [time.perf_counter() for _ in handles[i].stream()]
+
+                threads = [threading.Thread(target=follow, args=(i,)) for i in range(len(reqs))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                return sum(rate(s) for s in stamps)
 
             return run
 
-        sides: dict[str, Callable[[GenerationRequest], float]] = {"in process": local}
+        def jobs(new: int) -> list[GenerationRequest]:
+            return [request(rng, new) for _ in range(args.streams)]
+
+        sides: dict[str, Callable[[list[GenerationRequest]], float]] = {"in process": local}
         sides.update({name: via(producer) for name, (_, producer, _) in workers.items()})
         for run in sides.values():  # warm-up
-            run(request(rng, 16))
+            run(jobs(16))
         rates: dict[str, list[float]] = {name: [] for name in sides}
         loads = []
         for r in range(args.rounds):
             for name in abba(list(sides), r):
-                rates[name].append(sides[name](request(rng, args.new)))
+                rates[name].append(sides[name](jobs(args.new)))
                 loads.append(loadavg()[0])
                 print(f"round {r} {name:11} {rates[name][-1]:6.1f} tok/s", flush=True)
     finally:
@@ -182,6 +202,7 @@ def main() -> None:
         "threads": args.threads,
         "runner": args.runner,
         "new_tokens": args.new,
+        "streams": args.streams,
         "rounds": args.rounds,
         "workers": envs,
         "tok_s": {name: spread(v) for name, v in rates.items()},
@@ -202,7 +223,7 @@ def main() -> None:
     with figure(Path(args.plot), 1, 1, figsize=(2 + 1.5 * len(rates), 3.5)) as ax:
         bars, err = spread_errors([report["tok_s"][n] for n in rates])
         ax.bar(list(rates), bars, yerr=err, capsize=4)
-        ax.set_ylabel("generation tok/s (one stream)")
+        ax.set_ylabel(f"generation tok/s ({args.streams} stream(s), summed)")
         ax.set_title(f"{MODEL}, {args.runner} runner, {args.threads} threads")
 
 
