@@ -7,15 +7,16 @@
 # STEPS, a comma list (default: all, in this order):
 #   tests    the tests of what differs by CPU: the int4/int8 kernels, the native decode
 #            stack, the deterministic mode, the llama.cpp runner (its AMX repacking and
-#            thread pool where the CPU has AMX)                                ~6 min
+#            thread pool where the CPU has AMX)                                 ~6 min
 #   ticks    issue 25 part 2: the decode tick outside the matmuls, native stack and
 #            compiled graph in turn (bench/tick_profile.py, 3 rounds x 12 ticks) ~4 min
 #   speed    issues 25 part 1 and 26: through Redis against llama-server Q4_1 and Q8_0,
 #            the default start, the compiled graph, --quant int8 and the llama.cpp
-#            runner (also at --stream-interval-ms 30) in one run
-#            (bench/default_vs_llamaserver.py)                                 ~18 min
+#            runner, as started and with the flags that served it best on the Zen 4
+#            (--kv-streams 16 --stream-interval-ms 30), in one run
+#            (bench/default_vs_llamaserver.py)                                  ~7 min
 #   quality  issue 25 part 1: perplexity against fp32, default and --quant int8
-#            (bench/default_quality.py --int8)                                  ~6 min
+#            (bench/default_quality.py --int8)                                  ~3 min
 #
 # Needs `make venv`, `make llamacpp` and `bash bench/build_llamacpp.sh` done (the last two
 # build llama.cpp, ~15 min on 2 cores the first time); don't run it beside a build or CI:
@@ -91,7 +92,7 @@ step ticks "$PY" bench/tick_profile.py --decode native,graph --rounds "$rounds" 
   --out "$ticks.json" --plot "$ticks.png"
 speed=$(fresh default-vs-llamaserver)
 step speed "$PY" bench/default_vs_llamaserver.py \
-  --variants 'default=,graph=TOKENFLEET_NATIVE_DECODE=0,int8=--quant int8,llamacpp=--runner llamacpp,llamacpp-ms30=--runner llamacpp --stream-interval-ms 30' \
+  --variants 'default=,graph=TOKENFLEET_NATIVE_DECODE=0,int8=--quant int8,llamacpp=--runner llamacpp,llamacpp-tuned=--runner llamacpp --kv-streams 16 --stream-interval-ms 30' \
   --theirs q4_1,q8_0 --rounds "$rounds" \
   --out "$speed.json" --plot "$speed.png"
 quality=$(fresh default-quality-int8)
