@@ -14,6 +14,9 @@ Three ways to score:
                  feeds it: one-row decode ticks, the plan's narrow weights (int4 from the
                  file's own blocks where it chose them) and what runs its decode ticks
                  (the native stack, or the compiled decode graph: `decode_path`).
+Where the plan keeps K/V in float16 (a float32 model: a CPU without bf16), the fp32
+model is scored with a float16 pool too, both ways (`fp32_kv16`, `fp32_kv16_decode`):
+the pool's rounding alone, against fp32.
 With --int8, also `--quant int8`'s model (eager) scored the decode way twice: int8
 calls on tokenfleet's int8 x int8 kernel (activations quantized per block of 32, where
 the CPU has AVX512-VNNI) and on torch's `_weight_int8pack_mm` (bf16 activations), and
@@ -159,6 +162,13 @@ def main() -> None:
     results["fp32_decode"] = decode_perplexity(ref, tokens, bos)
     print(f"fp32, decode: {results['fp32_decode']['ppl']:.4f}", flush=True)
     compared = [("plan_prefill", "fp32"), ("plan_decode", "fp32_decode")]
+    if plan.kv_dtype is not None:  # the pool's rounding alone: the fp32 model over it
+        ref.model.set_kv_dtype(getattr(torch, plan.kv_dtype))
+        results["fp32_kv16"] = our_perplexity(ref, tokens, CTX, None, bos)
+        results["fp32_kv16_decode"] = decode_perplexity(ref, tokens, bos)
+        for name in ("fp32_kv16", "fp32_kv16_decode"):
+            print(f"{name}: {results[name]['ppl']:.4f}", flush=True)
+        compared += [("fp32_kv16", "fp32"), ("fp32_kv16_decode", "fp32_decode")]
     if args.int8:
         from tokenfleet.model import quant
 

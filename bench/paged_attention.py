@@ -3,7 +3,8 @@ tokenfleet/model/attention/paged_cpu.cpp) at SmolLM2-135M's shape: 9 query heads
 heads, head size 64, 30 layers, blocks of 16 rows placed at random in the pool (as a
 busy worker's pool holds them), in bf16 (a bf16 model's pool) and, with `--dtypes
 bfloat16,float32`, float32 (the pool of a float32 model: what `--dtype auto` serves on a
-CPU without bf16, an AVX2 EPYC say).
+CPU without bf16, an AVX2 EPYC say); `float32-f16kv`: a float32 query over a float16
+pool (what a float32 model's default start keeps since 2026-12-07: `--kv-dtype`).
 
 Usage: python bench/paged_attention.py [--batches 1,8] [--contexts 128,512]
            [--dtypes bfloat16] [--threads 2] [--rounds 5] [--calls 20] [--resident]
@@ -60,13 +61,14 @@ def main() -> None:
 
     shapes = []
     for dtype in args.dtypes.split(","):
-        kind = getattr(torch, dtype)
+        kind = getattr(torch, dtype.removesuffix("-f16kv"))
+        pool_kind = torch.float16 if dtype.endswith("-f16kv") else kind
         for rows in (int(b) for b in args.batches.split(",")):
             for keys in (int(c) for c in args.contexts.split(",")):
                 blocks = -(-(keys + 1) // BLOCK)
                 slots = rows * blocks * BLOCK
 
-                def pool(slots: int = slots, kind: torch.dtype = kind) -> torch.Tensor:
+                def pool(slots: int = slots, kind: torch.dtype = pool_kind) -> torch.Tensor:
                     size = (LAYERS, slots, KV_HEADS, HEAD_DIM)
                     return torch.randn(size, generator=gen).to(kind)
 

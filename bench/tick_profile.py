@@ -4,13 +4,14 @@ sessions decoding, the tick split into the matmuls and everything else.
 
 Usage: python bench/tick_profile.py [--batches 1,8] [--ticks 40] [--threads 2]
            [--rounds 3] [--inductor 'cpp_wrapper=True,...'] [--quant int8|int4]
+           [--kv-dtype auto|model|float16] [--prompt 32] [--kv-mb 256]
            [--decode native,graph]
            [--out bench/out/tick_profile.json]
            [--plot docs/img/tick_profile.png]
 
-For each batch size B: B jobs (32 fresh prompt tokens, greedy, eos ignored, long enough
-to outlast the run) are admitted and stepped until every one of them decodes. Then, in
-`--rounds` rounds:
+For each batch size B: B jobs (32 fresh prompt tokens, or `--prompt`; greedy, eos
+ignored, long enough to outlast the run; the worker's KV budget, or `--kv-mb`) are
+admitted and stepped until every one of them decodes. Then, in `--rounds` rounds:
 
   timed     `--ticks` ticks of `Engine.step`, the model's forward timed inside each
             (wall clock, no profiler): tick ms and forward ms;
@@ -74,6 +75,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--inductor", default="", help="torch._inductor.config NAME=VALUE,...")
     p.add_argument("--quant", default=None, choices=["int8", "int4"], help="as the worker's")
+    p.add_argument("--kv-dtype", default="auto", help="as the worker's: auto, model, float16")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens of each job")
+    p.add_argument("--kv-mb", type=int, default=256, help="the engine's KV budget, as the worker's")
     p.add_argument(
         "--decode",
         default="",
@@ -103,7 +107,13 @@ def main() -> None:
     variants = [v for v in args.decode.split(",") if v] or ["worker"]
     if "graph" in variants:  # the worker compiles (and warms) the graph, not the stack
         os.environ["TOKENFLEET_NATIVE_DECODE"] = "0"
-    settings = WorkerSettings(model=MODEL, threads=args.threads, quant=args.quant)
+    settings = WorkerSettings(
+        model=MODEL,
+        threads=args.threads,
+        quant=args.quant,
+        kv_dtype=args.kv_dtype,
+        kv_mb=args.kv_mb,
+    )
     loaded, info, _ = torch_model(settings)
     model: Any = loaded.model
     units: dict[str, Any] = {"worker": model.decode_graph}
@@ -132,10 +142,10 @@ def main() -> None:
         engine = Engine(loaded, engine_config(settings))
         new = 64 + (args.rounds * 2 * args.ticks + 3) * len(variants)
         for _ in range(batch):
-            job = random_request(f"tick-{rng.getrandbits(48):x}", 32, new, rng)
+            job = random_request(f"tick-{rng.getrandbits(48):x}", args.prompt, new, rng)
             greedy = job.model_copy(update={"sampling": SamplingParams(temperature=0.0)})
             assert engine.submit(greedy).accepted
-        for _ in range(200):  # until every session decodes
+        for _ in range(200 + batch * args.prompt // 64):  # until every session decodes
             engine.step()
             live = engine.sessions.values()
             if len(live) == batch and all(len(s.emitted) >= 2 for s in live):
@@ -183,8 +193,12 @@ def main() -> None:
         "threads": args.threads,
         "ticks": args.ticks,
         "rounds": args.rounds,
+        "prompt": args.prompt,
+        "kv_mb": args.kv_mb,
         "inductor": inductor,
-        "engine": {k: v for k, v in info.items() if "engine" in k or k in ("dtype", "quant")},
+        "engine": {
+            k: v for k, v in info.items() if "engine" in k or k in ("dtype", "kv_dtype", "quant")
+        },
         "torch": torch.__version__,
         "batches": results,
         "machine": mark_end(machine),

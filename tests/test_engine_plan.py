@@ -126,8 +126,10 @@ def test_paged_kernel_rows_do_not_depend_on_the_tick_or_the_threads(dtype: torch
 # ---- narrow weights and the decode graph ----------------------------------------------
 
 
-def _twins() -> tuple[torch.nn.Module, torch.nn.Module]:
-    a = load_model("tiny-random", dtype="bfloat16", device="cpu").model
+def _twins(dtype: str = "bfloat16") -> tuple[torch.nn.Module, torch.nn.Module]:
+    a = load_model("tiny-random", dtype=dtype, device="cpu").model
+    if dtype == "float32":  # a default start without bf16: K/V kept in float16
+        a.set_kv_dtype(torch.float16)
     return a, copy.deepcopy(a)
 
 
@@ -212,7 +214,7 @@ def test_a_float32_model_keeps_narrow_weights_too() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("weights", ["narrow", "quantized"])
+@pytest.mark.parametrize("weights", ["narrow", "quantized", "narrow-float32"])
 def test_decode_graph_follows_the_eager_forward(
     weights: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -221,9 +223,11 @@ def test_decode_graph_follows_the_eager_forward(
     forward's logits and greedy tokens, for one row and several, across block boundaries
     (up to bf16 rounding: fused code rounds in another order); the pool holds the same
     K/V. (The graph, not the native stack that serves these models by default:
-    tests/test_native_decode.py.)"""
+    tests/test_native_decode.py.) narrow-float32: a float32 model over a float16 pool
+    (the graph hands the kernel its new keys unrounded; it rounds them as the pool will)."""
     monkeypatch.setenv("TOKENFLEET_NATIVE_DECODE", "0")
-    graph, eager = _twins()
+    graph, eager = _twins("float32" if weights == "narrow-float32" else "bfloat16")
+    weights = weights.removesuffix("-float32")
     for m in (graph, eager):
         if weights == "narrow":
             m.add_narrow("int8", 4)
@@ -250,6 +254,7 @@ def test_decode_graph_follows_the_eager_forward(
                 fed[r].append(int(e[r].argmax()))
         assert agree >= 0.9 * 12 * rows  # greedy picks: the same but for near ties
     torch.testing.assert_close(g_pool.k.float(), e_pool.k.float(), atol=0.05, rtol=0.05)
+    assert g_pool.k.dtype == e_pool.k.dtype == graph.kv_dtype
 
 
 @needs_kernel
@@ -285,7 +290,7 @@ def test_a_small_model_starts_dense_and_eager() -> None:
     plan = plan_engine(loaded, compile_asked=None)
     assert plan.narrow is None and not plan.compile and not plan.decode_graph
     assert plan.why.startswith("small model"), plan.why  # bf16 or float32 alike
-    assert not plan.probe_ms
+    assert not plan.probe_ms and plan.kv_dtype is None  # K/V in the model's dtype
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -305,6 +310,9 @@ def test_the_probe_picks_the_format_that_measured_faster_and_is_cached(
     assert set(probe) == {"dense", "int8", "head_dense", "head_int8"}
     assert all(set(p) == set(PROBE_ROWS) for p in probe.values())
     assert not plan.compile and not plan.decode_graph and not plan.probe_cached
+    # a float32 model (a CPU without bf16) keeps its K/V in float16, and says so
+    assert plan.kv_dtype == ("float16" if dtype == "float32" else None), plan
+    assert ("float16 KV" in plan.why) is (dtype == "float32"), plan.why
     if plan.narrow is None:
         assert probe["int8"][1] >= probe["dense"][1], plan
     else:
@@ -377,6 +385,9 @@ def test_smollm2_default_start_serves_what_fp32_would_pick(redis_url: str) -> No
     assert engine is not None and engine["why"], info
     # bf16 where the CPU computes it, else float32: the plan is made either way
     assert info["dtype"] == ("bfloat16" if cpu_has_bf16() else "float32"), info
+    # ... its K/V in bf16 or (under float32) float16: two bytes a value either way
+    assert info["kv_dtype"] == ("bfloat16" if cpu_has_bf16() else "float16"), info
+    assert worker.engine.runner.spec.kv_dtype_bytes == 2
     assert engine["compile"] and {"dense", "int8", "int4"} <= set(engine["probe_ms"]), engine
     assert info["compile_mode"] == "default", info  # compiled, or failed by name
     # whole decode ticks on the native stack where the packed kernels build (the plan's
@@ -429,6 +440,8 @@ def test_status_shows_each_workers_engine_and_why() -> None:
     llama = {"runner": "llamacpp", "source_quant": "Q4_1", "extra_bufts": True}
     cuda = {"dtype": "bfloat16", "cuda_graphs": {"max_rows": 64, "max_context": 8192}}
     assert engine_summary(cuda) == "bfloat16 cuda-graphs"
+    f16 = {**native, "dtype": "float32", "kv_dtype": "float16"}  # a default start on AVX2
+    assert engine_summary(f16) == "float32 kv:float16 +int4≤8 native"
     assert engine_summary({**llama, "kv_streams": 0}) == "llama.cpp Q4_1"
     assert engine_summary({**llama, "kv_streams": 8}) == "llama.cpp Q4_1 8 streams"
     console = Console(width=200, record=True)

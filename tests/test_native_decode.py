@@ -39,11 +39,16 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(save_hf_llama(hf, tmp_path_factory.mktemp("native") / "llama"))
 
 
-def _tiny(checkpoint: str, weights: str, dtype: str = "bfloat16") -> LlamaModel:
+def _tiny(
+    checkpoint: str, weights: str, dtype: str = "bfloat16", kv: str | None = None
+) -> LlamaModel:
     """The checkpoint in bf16 (or float32: a default start on a CPU without bf16) with the
     weight set a worker would decode on: the dense one, a narrow int8 or int4 set beside
-    it (the default start), or all int8 (`--quant`)."""
+    it (the default start), or all int8 (`--quant`); `kv` "float16": K/V kept in float16
+    (a float32 model's default start)."""
     model = load_model(checkpoint, dtype=dtype, device="cpu").model
+    if kv is not None:
+        model.set_kv_dtype(getattr(torch, kv))
     if weights in ("int8", "int4"):
         model.add_narrow(weights, 8)
     elif weights == "quantized":
@@ -65,27 +70,31 @@ def _prefill(model: LlamaModel, rows: int, length: int, blocks: int = 8) -> tupl
 
 @needs_kernel
 @pytest.mark.parametrize(
-    ("weights", "dtype"),
+    ("weights", "dtype", "kv"),
     [
-        ("dense", "bfloat16"),
-        pytest.param("int8", "bfloat16", marks=needs_vnni),
-        pytest.param("int4", "bfloat16", marks=needs_vnni),
-        pytest.param("quantized", "bfloat16", marks=needs_vnni),  # --quant
-        ("dense", "float32"),
-        pytest.param("quantized", "float32", marks=needs_vnni),  # --quant without bf16
-        pytest.param("int8", "float32", marks=needs_vnni),
-        pytest.param("int4", "float32", marks=needs_vnni),
+        ("dense", "bfloat16", None),
+        pytest.param("int8", "bfloat16", None, marks=needs_vnni),
+        pytest.param("int4", "bfloat16", None, marks=needs_vnni),
+        pytest.param("quantized", "bfloat16", None, marks=needs_vnni),  # --quant
+        ("dense", "float32", None),
+        pytest.param("quantized", "float32", None, marks=needs_vnni),  # --quant without bf16
+        pytest.param("int8", "float32", None, marks=needs_vnni),
+        pytest.param("int4", "float32", None, marks=needs_vnni),
+        ("dense", "float32", "float16"),  # a float32 model's K/V in float16
+        pytest.param("int4", "float32", "float16", marks=needs_vnni),  # its default start
     ],
 )
 def test_the_stack_follows_the_eager_forward_step_by_step(
-    weights: str, dtype: str, checkpoint: str, monkeypatch: pytest.MonkeyPatch
+    weights: str, dtype: str, kv: str | None, checkpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Greedy decoding of three rows for 14 steps (across block edges): the stack's
     logits are the eager forward's with the same attention kernel, up to the order of a
     norm's sum (a last bf16 bit now and then); the same greedy tokens; the same K/V in
-    the pool. A float32 model keeps float32 between ops, as its eager forward does."""
+    the pool. A float32 model keeps float32 between ops, as its eager forward does, and
+    with a float16 pool both round each new key and value to float16 as they write it."""
     monkeypatch.setenv("TOKENFLEET_PAGED_ATTENTION", "1")  # eager attends with the kernel
-    _follows_eager(_tiny(checkpoint, weights, dtype), narrow=weights in ("int8", "int4"))
+    model = _tiny(checkpoint, weights, dtype, kv)
+    _follows_eager(model, narrow=weights in ("int8", "int4"))
 
 
 def _follows_eager(model: LlamaModel, narrow: bool, kv_exact: bool = True, rows: int = 3) -> None:

@@ -193,14 +193,17 @@ def render_status(status: dict[str, Any]) -> Group:
 
 
 def engine_summary(worker: Mapping[str, Any]) -> str:
-    """How a worker runs its model, short: dtype, the narrow format and its rows (a
-    default start's plan), quant, compiled, CUDA graphs, deterministic; on llama.cpp, the
-    file's type."""
+    """How a worker runs its model, short: dtype (and the KV pool's, where it differs),
+    the narrow format and its rows (a default start's plan), quant, compiled, CUDA graphs,
+    deterministic; on llama.cpp, the file's type."""
     if worker.get("runner") == "llamacpp":
         repack = "" if worker.get("extra_bufts", True) else " no-repack"
         streams = f" {worker['kv_streams']} streams" if worker.get("kv_streams") else ""
         return f"llama.cpp {worker.get('source_quant') or '?'}{repack}{streams}"
     parts = [str(worker.get("dtype") or "?")]
+    kv = worker.get("kv_dtype")
+    if kv and kv != worker.get("dtype"):  # a pool in another dtype than the model's
+        parts.append(f"kv:{kv}")
     plan = worker.get("engine")
     if isinstance(plan, dict) and plan.get("narrow"):
         parts.append(f"+{plan['narrow']}≤{plan.get('narrow_rows')}")

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from tokenfleet.config.common import Env, Flag, Settings
 
 RUNNERS = ("torch", "llamacpp", "sim")  # what runs the model: tokenfleet.worker.main.build_worker
+KV_DTYPES = ("auto", "model", "float16")  # what the KV pool holds: LlamaModel.set_kv_dtype
 
 
 class WorkerSettings(Settings):
@@ -44,6 +45,16 @@ class WorkerSettings(Settings):
         Flag("--dtype"),
         Field(
             description="auto (bfloat16 where the hardware has it), float32, bfloat16 or float16"
+        ),
+    ] = "auto"
+    kv_dtype: Annotated[
+        str,
+        Env("TOKENFLEET_KV_DTYPE"),
+        Flag("--kv-dtype"),
+        Field(
+            description="what the KV pool holds: auto (as the engine plan of a default "
+            "start decides: float16 under a float32 model on the CPU; else the model's "
+            "dtype), model (the model's dtype), float16 (a float32 model on the CPU)"
         ),
     ] = "auto"
     quant: Annotated[
@@ -239,6 +250,13 @@ class WorkerSettings(Settings):
         if runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
         return runner
+
+    @field_validator("kv_dtype")
+    @classmethod
+    def _known_kv_dtype(cls, kv_dtype: str) -> str:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        return kv_dtype
 
     @field_validator("quant")
     @classmethod

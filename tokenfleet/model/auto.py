@@ -23,7 +23,8 @@ same way: tokenfleet's kernels quantize the float32 activations as they are and 
 float32 (torch's, where they serve, get them rounded to bf16: `PackedWeight.matmul`). On
 an AVX2 EPYC Zen 3 that took a SmolLM2 decode tick from 78 ms (dense float32, eager) to
 20 ms with torch's int4 kernel, and the layers' matmuls from 14.4 to ~4 ms more with
-tokenfleet's AVX2 build of its own (docs/benchmarks.md).
+tokenfleet's AVX2 build of its own (docs/benchmarks.md). Such a model keeps its K/V in
+float16 (`EnginePlan.kv_dtype`, `LlamaModel.set_kv_dtype`): half the bytes attention reads.
 
 Small models (under `AUTO_MIN_PARAMS`: test and toy models) start as before, dense and
 eager: compiling costs seconds to minutes at start, and a second set of weights buys them
@@ -83,6 +84,7 @@ class EnginePlan:
     # ms of matmuls per tick (every layer and the head) by format and rows, as probed
     probe_ms: dict[str, dict[int, float]]
     probe_cached: bool = False
+    kv_dtype: str | None = None  # the KV pool's dtype where not the model's ("float16")
 
     def as_fields(self) -> dict[str, object]:
         out = asdict(self)
@@ -99,6 +101,29 @@ def plan_engine(
 ) -> EnginePlan:
     """The plan for a default start (see the module docstring). `q4`: a GGUF file's own
     4-bit blocks by module name (`load_model(..., q4_aside=True)`), the int4 candidate."""
+    plan = _plan_weights(loaded, compile_asked=compile_asked, q4=q4, cache_dir=cache_dir)
+    if plan.probe_ms and loaded.dtype == torch.float32:  # a planned float32 model on a CPU
+        why = f"{plan.why}; {FLOAT16_KV}"
+        return dataclasses.replace(plan, kv_dtype="float16", why=why)
+    return plan
+
+
+# A float32 model (a CPU without bf16) keeps its K/V in float16, as llama.cpp's default
+# cache does: a decode tick's attention reads half the bytes, a token's KV takes half the
+# budget. The rounding alone moved the fp32 model's perplexity by -0.01 to -0.02 %
+# (SmolLM2, Gemma 3 270M: -0.01 %); an EPYC Zen 3's tick of 8 rows at ~1,060 keys went
+# from 48-53 to 36-37 ms (docs/benchmarks.md, 2026-12-07).
+FLOAT16_KV = "float16 KV cache (half the bytes of float32)"
+
+
+def _plan_weights(
+    loaded: LoadedModel,
+    *,
+    compile_asked: bool | None,
+    q4: Mapping[str, PackedWeight] | None,
+    cache_dir: Path | None,
+) -> EnginePlan:
+    """`plan_engine`'s weights and compiling."""
     model = loaded.model
     compile_ = compile_asked if compile_asked is not None else True
     params = sum(p.numel() for p in model.parameters())
@@ -176,6 +201,8 @@ def apply_plan(
     plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks)
     if plan.narrow is not None:
         loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
+    if plan.kv_dtype is not None:
+        loaded.model.set_kv_dtype(getattr(torch, plan.kv_dtype))
     weight_bytes = resident_bytes(loaded.model)
     return dataclasses.replace(loaded, q4_blocks=None, weight_bytes=weight_bytes), plan
 

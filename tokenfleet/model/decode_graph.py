@@ -202,8 +202,8 @@ class DecodeGraph:
             self._shape,
             *self._weights,
         )
-        k_pool.index_copy_(1, at, k_new)
-        v_pool.index_copy_(1, at, v_new)
+        k_pool.index_copy_(1, at, k_new.to(k_pool.dtype))  # (a float16 pool: rounded)
+        v_pool.index_copy_(1, at, v_new.to(v_pool.dtype))
         # the LM head outside the graph: which copy serves depends on the rows
         lm_head = m.head_weight(self.narrow, normed.shape[0])
         logits = linear(normed, lm_head, None, self._shape)

@@ -182,6 +182,8 @@ class LlamaModel(nn.Module):
         self.decode_graph: DecodeGraph | NativeDecode | CudaGraphDecode | None = None
         # Set by `deterministic.make_deterministic`: batch-invariant numerics, and how.
         self.deterministic: DeterminismReport | None = None
+        # Set by `set_kv_dtype`: the KV pool's dtype where it is not the model's.
+        self._kv_dtype: torch.dtype | None = None
 
     def layer_weights(self, narrow: bool = False) -> list[tuple[AttnWeights, MlpWeights]]:
         """Each layer's weights for the layer math: the dense set, or the narrow one."""
@@ -266,9 +268,30 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the KV pool holds: the model's dtype, or float16 under a float32 model on
+        the CPU (`set_kv_dtype`)."""
+        return self.dtype if self._kv_dtype is None else self._kv_dtype
+
+    def set_kv_dtype(self, dtype: torch.dtype) -> None:
+        """Keep K/V in `dtype`: the model's own, or float16 for a float32 model on the CPU
+        (each new key and value rounded to it as it is written, and attended to as
+        rounded, whether it is read back from the pool or not; half the bytes each tick's
+        attention reads and each token's KV budget holds). Before `new_kv_pool`."""
+        if dtype == self.dtype:
+            self._kv_dtype = None
+            return
+        if dtype != torch.float16 or self.dtype != torch.float32 or self.device.type != "cpu":
+            raise ValueError(
+                f"a {dtype} KV pool under a {self.dtype} model on {self.device}: the pool "
+                "holds the model's dtype, or float16 under a float32 model on the CPU"
+            )
+        self._kv_dtype = dtype
+
     def new_kv_pool(self, num_blocks: int, block_size: int) -> KVPool:
-        """A zeroed pool in this model's dtype and device."""
-        return KVPool(self.config, num_blocks, block_size, dtype=self.dtype, device=self.device)
+        """A zeroed pool in `kv_dtype` on this model's device."""
+        return KVPool(self.config, num_blocks, block_size, dtype=self.kv_dtype, device=self.device)
 
     @torch.inference_mode()
     def forward(
@@ -285,9 +308,10 @@ class LlamaModel(nn.Module):
         their block tables give; the logits are for each sequence's LAST new token,
         or, when `rows` is given, for those rows of the T tokens ([len(rows), vocab]).
         """
-        if kv.dtype != self.dtype or kv.device != self.device:
+        if kv.dtype != self.kv_dtype or kv.device != self.device:
             raise ValueError(
-                f"KV pool is {kv.dtype} on {kv.device}, model is {self.dtype} on {self.device}"
+                f"KV pool is {kv.dtype} on {kv.device}, the model keeps {self.kv_dtype} K/V "
+                f"on {self.device}"
             )
         narrow = rows is None and self.is_narrow(len(input_ids), seqs)
         graph = self.decode_graph

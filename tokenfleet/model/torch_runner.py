@@ -48,12 +48,13 @@ class TorchRunner:
         self.model = loaded.model
         cfg = loaded.config
         self._dtype_bytes = torch.empty((), dtype=loaded.dtype).element_size()
+        kv_bytes = torch.empty((), dtype=self.model.kv_dtype).element_size()
         eos = () if loaded.tokenizer is None else loaded.tokenizer.eos_token_ids
         self._spec = ModelSpec(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
-            kv_dtype_bytes=self._dtype_bytes,
+            kv_dtype_bytes=kv_bytes,
             weight_bytes=loaded.weight_bytes,
             vocab_size=cfg.vocab_size,
             max_context=cfg.max_position_embeddings,
@@ -139,6 +140,8 @@ def _identity(loaded: LoadedModel) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(loaded.config).encode())
     h.update(f"{loaded.dtype}|{loaded.quant}|{loaded.weight_bytes}".encode())
+    if loaded.model.kv_dtype != loaded.dtype:  # K/V rounded to it: other KV bits
+        h.update(f"|kv {loaded.model.kv_dtype}".encode())
     if loaded.model.deterministic is not None:  # other numerics: other KV bits
         h.update(b"|deterministic")
     for _, tensor in itertools.islice(loaded.model.state_dict().items(), 4):

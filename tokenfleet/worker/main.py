@@ -187,6 +187,7 @@ def torch_model(
 
         loaded, plan = apply_plan(loaded, compile_asked=settings.compile)
         logger.info("engine plan: %s", plan.why)
+    _kv_dtype(loaded, settings.kv_dtype)
     compile_info = _compile(loaded, settings.compile, plan)
     compile_info["cuda_graphs"] = _cuda_graphs(loaded, settings)
     governor = None
@@ -195,6 +196,20 @@ def torch_model(
     info = _heartbeat_info(settings, loaded, compile_info)
     info["engine"] = None if plan is None else plan.as_fields()
     return loaded, info, governor
+
+
+def _kv_dtype(loaded: LoadedModel, asked: str) -> None:
+    """The KV pool's dtype as `--kv-dtype` asks (auto: as the engine plan set it, where a
+    default start has one; else the model's)."""
+    import torch
+
+    if asked == "auto":
+        return
+    dtype = loaded.dtype if asked == "model" else getattr(torch, asked)
+    try:
+        loaded.model.set_kv_dtype(dtype)
+    except ValueError as exc:
+        raise ModelLoadError(f"--kv-dtype {asked}: {exc}") from exc
 
 
 def _sim_runner(settings: WorkerSettings) -> tuple[SimRunner, dict[str, Any], None]:
@@ -248,6 +263,7 @@ def llamacpp_model(
         for flag, given in (
             ("--quant", settings.quant is not None),
             ("--deterministic", settings.deterministic),
+            ("--kv-dtype model", settings.kv_dtype == "model"),  # llama.cpp's cache: float16
             ("--compile", bool(settings.compile)),
             ("--device", settings.device not in ("auto", "cpu")),
         )
@@ -272,6 +288,7 @@ def llamacpp_model(
         "checkpoint": settings.model,
         "device": "cpu",
         "dtype": None,
+        "kv_dtype": "float16",  # llama.cpp's default cache type (KV_BYTES)
         "source_quant": runner.source_quant,
         "quant": None,
         "deterministic": None,
@@ -297,6 +314,7 @@ def _heartbeat_info(
         "checkpoint": settings.model,
         "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
+        "kv_dtype": str(loaded.model.kv_dtype).removeprefix("torch."),  # what the KV pool holds
         # a quantized file is served dequantized: what it was, what it serves as
         "source_quant": loaded.source_quant,
         "quant": loaded.quant,  # weights kept int8 / int4; None: dense in `dtype`

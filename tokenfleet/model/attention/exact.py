@@ -122,8 +122,10 @@ def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, r: _Rows) -> Tensor:
     # the matmul's kernel (and its summation order) follows the operands' strides, and
     # a view's strides vary with B (measured: a decode row beside another one got other
     # bits than alone when the keys stayed a strided view).
-    keys = k_cache.index_select(0, r.slots).view(b, -1, kvh, hd).transpose(1, 2).contiguous()
-    values = v_cache.index_select(0, r.slots).view(b, -1, kvh, hd).transpose(1, 2).contiguous()
+    keys = k_cache.index_select(0, r.slots).to(q.dtype)  # (a float16 pool: to q's dtype)
+    values = v_cache.index_select(0, r.slots).to(q.dtype)
+    keys = keys.view(b, -1, kvh, hd).transpose(1, 2).contiguous()
+    values = values.view(b, -1, kvh, hd).transpose(1, 2).contiguous()
     # GQA: the G query heads of a KV head and the R queries are that head's query rows.
     # q: [B, R, KVH, G, hd] -> [B, KVH, G * R, hd]
     qg = q.view(b, rows, kvh, g, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * rows, hd)

@@ -72,7 +72,13 @@ class Attention(nn.Module):
         """Write this tick's k/v [T, KVH, hd] into the pool, then attend: q [T, H, hd] ->
         [T, H, hd]."""
         k_cache, v_cache = ctx.kv.layer_slots(self.layer_idx)  # [slots, KVH, hd] views of the pool
-        k_cache.index_copy_(0, ctx.plan.write_slots, k)
-        v_cache.index_copy_(0, ctx.plan.write_slots, v)
+        if k_cache.dtype != k.dtype:  # a float16 pool: attend to k/v as the pool keeps them
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+            k_cache.index_copy_(0, ctx.plan.write_slots, k)
+            v_cache.index_copy_(0, ctx.plan.write_slots, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            k_cache.index_copy_(0, ctx.plan.write_slots, k)
+            v_cache.index_copy_(0, ctx.plan.write_slots, v)
         meta = ctx.meta if self.window is None else ctx.window_meta
         return ctx.backend.attend(q, k, v, k_cache, v_cache, meta)

@@ -5,6 +5,8 @@
 // when given, over its own new key that is not in the pool yet. The query heads that
 // share a KV head are done together, so each key row is converted to float once and
 // used for all of them. Scores and the softmax are float32, whatever the pool's dtype.
+// The pool's dtype is the query's, or float16 under a float32 query (a float32 model
+// with a float16 pool: half the bytes a tick reads from it; docs/operations.md).
 //
 // Built at run time by tokenfleet/model/attention/paged_cpu.py (torch's cpp_extension,
 // -O3 -march=native) and registered as torch.ops.tokenfleet.decode_attention, so the
@@ -156,6 +158,12 @@ inline __m256 widen8(const c10::BFloat16* p) {  // 8 bf16 -> 8 float32 (exact)
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+#if defined(__F16C__)
+#define TOKENFLEET_F16_WIDEN 1
+inline __m256 widen8(const c10::Half* p) {  // 8 float16 -> 8 float32 (exact, vcvtph2ps)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
 
 template <int64_t HD, typename T>
 inline void prefetch_row8(const T* p) {  // as prefetch_row, for either element type
@@ -233,7 +241,32 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
 }
 
-template <typename T, int64_t HD>
+// float32 values rounded to float16 (nearest even, as torch's .to(torch.float16)): a new
+// key or value written into a float16 pool
+inline void to_half(c10::Half* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+// Whether the AVX2 path reads pools of P: float32, bf16, and float16 where F16C widens it.
+template <typename P>
+constexpr bool avx2_pool() {
+#ifdef TOKENFLEET_F16_WIDEN
+  if constexpr (std::is_same_v<P, c10::Half>) return true;
+#endif
+  return std::is_same_v<P, float> || std::is_same_v<P, c10::BFloat16>;
+}
+
+// T: the query's, the output's and the new keys' dtype; P: the pool's (T, or float16
+// under a float32 T). A new key of another dtype than the pool's is rounded to P first:
+// the row attends to it as later ticks will read it from the pool.
+template <typename T, typename P, int64_t HD>
 void decode_attention_impl(
     const at::Tensor& q,       // [B, H, hd]
     const at::Tensor& k_pool,  // [layers, S, KVH, hd]
@@ -251,9 +284,10 @@ void decode_attention_impl(
   const int64_t S = k_pool.size(1), KVH = k_pool.size(2), W = tables.size(1);
   const int64_t G = H / KVH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  constexpr bool same = std::is_same_v<T, P>;
   const T* qp = q.data_ptr<T>();
-  const T* kb = k_pool.data_ptr<T>() + layer * S * KVH * hd;
-  const T* vb = v_pool.data_ptr<T>() + layer * S * KVH * hd;
+  const P* kb = k_pool.data_ptr<P>() + layer * S * KVH * hd;
+  const P* vb = v_pool.data_ptr<P>() + layer * S * KVH * hd;
   const T* kn = k_new.has_value() ? k_new->data_ptr<T>() : nullptr;
   const T* vn = v_new.has_value() ? v_new->data_ptr<T>() : nullptr;
   const int32_t* tp = tables.data_ptr<int32_t>();
@@ -289,6 +323,7 @@ void decode_attention_impl(
   };
   at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * hd), acc(G * hd), row(hd), scores, total(G);
+    std::vector<P> fresh_k(same ? 0 : hd), fresh_v(same ? 0 : hd);  // a new key/value as P
     std::vector<int64_t> where;  // each context row's offset in the pool (-1: the new one)
     // The next row's context, asked for (K and V of every head, to L2) a few keys at a
     // time while this row is worked on: `pump` runs every 16 keys of each K and V pass,
@@ -304,7 +339,7 @@ void decode_attention_impl(
         if (next[next_at] < 0) continue;  // the new key, not in the pool
         const char* kc = reinterpret_cast<const char*>(kb + next[next_at]);
         const char* vc = reinterpret_cast<const char*>(vb + next[next_at]);
-        for (int64_t o = 0; o < KVH * hd * static_cast<int64_t>(sizeof(T)); o += 64) {
+        for (int64_t o = 0; o < KVH * hd * static_cast<int64_t>(sizeof(P)); o += 64) {
           __builtin_prefetch(kc + o, 0, 2);  // prefetcht1
           __builtin_prefetch(vc + o, 0, 2);
         }
@@ -324,13 +359,12 @@ void decode_attention_impl(
       const int64_t L = context(b, kh, where);
       scores.assign(G * std::max<int64_t>(L, 1), 0.0f);
 #ifdef TOKENFLEET_BF16_DOT
-      constexpr bool fast = std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
+      constexpr bool fast = same && std::is_same_v<T, c10::BFloat16> && HD > 0 && HD % 32 == 0;
 #else
       constexpr bool fast = false;
 #endif
 #ifdef TOKENFLEET_AVX2_ATTN
-      constexpr bool avx2 = !fast && HD > 0 && HD % 32 == 0 &&
-                            (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>);
+      constexpr bool avx2 = !fast && HD > 0 && HD % 32 == 0 && avx2_pool<P>();
 #else
       constexpr bool avx2 = false;
 #endif
@@ -345,10 +379,27 @@ void decode_attention_impl(
           per = (next.size() + calls - 1) / std::max<int64_t>(calls, 1);
         }
       }
+      // this row's own new key and value (when given), as the pool holds them
+      const P* kf = nullptr;
+      const P* vf = nullptr;
+      if (kn) {
+        const int64_t at = (b * KVH + kh) * hd;
+        if constexpr (same) {
+          kf = kn + at;
+          vf = vn + at;
+        } else {
+          for (int64_t d = 0; d < hd; ++d) {
+            fresh_k[d] = static_cast<P>(static_cast<float>(kn[at + d]));
+            fresh_v[d] = static_cast<P>(static_cast<float>(vn[at + d]));
+          }
+          kf = fresh_k.data();
+          vf = fresh_v.data();
+        }
+      }
       // key / value row j: from the pool, or (the last one, when given) its own new one
-      auto row_of = [&](const T* pool, const T* fresh, int64_t j) -> const T* {
+      auto row_of = [&](const P* pool, const P* fresh, int64_t j) -> const P* {
         const int64_t o = where[j];
-        return o < 0 ? fresh + (b * KVH + kh) * hd : pool + o;
+        return o < 0 ? fresh : pool + o;
       };
 
       if constexpr (fast) {
@@ -358,7 +409,7 @@ void decode_attention_impl(
         for (; j + 16 <= L; j += 16) {  // whole groups of 16 keys
           const uint16_t* k16[16];
           for (int i = 0; i < 16; ++i)
-            k16[i] = reinterpret_cast<const uint16_t*>(row_of(kb, kn, j + i));
+            k16[i] = reinterpret_cast<const uint16_t*>(row_of(kb, kf, j + i));
           if (heads_ahead > 1) {  // the next group's keys of all this thread's heads, values to L2
             for (int64_t i = j + 16; i < std::min(L, j + 32); ++i) {
               if (where[i] < 0) continue;  // the new key, not in the pool
@@ -371,14 +422,14 @@ void decode_attention_impl(
             }
           } else {
             for (int64_t i = j + 16; i < std::min(L, j + 32); ++i)  // the next group's keys
-              prefetch_row<HD>(row_of(kb, kn, i));
+              prefetch_row<HD>(row_of(kb, kf, i));
           }
           pump();
           for (int64_t g = 0; g < G; ++g)
             dot16_bf16<HD>(q16 + g * HD, k16, scale, scores.data() + g * L + j);
         }
         for (; j < L; ++j) {  // the rest one by one
-          const auto* k16 = reinterpret_cast<const uint16_t*>(row_of(kb, kn, j));
+          const auto* k16 = reinterpret_cast<const uint16_t*>(row_of(kb, kf, j));
           for (int64_t g = 0; g < G; ++g)
             scores[g * L + j] = dot_bf16<HD>(q16 + g * HD, k16) * scale;
         }
@@ -389,16 +440,16 @@ void decode_attention_impl(
         for (int64_t i = 0; i < G * hd; ++i) qf[i] *= scale;
         int64_t j = 0;
         for (; j + 8 <= L; j += 8) {  // whole groups of 8 keys
-          const T* k8[8];
-          for (int i = 0; i < 8; ++i) k8[i] = row_of(kb, kn, j + i);
+          const P* k8[8];
+          for (int i = 0; i < 8; ++i) k8[i] = row_of(kb, kf, j + i);
           for (int64_t i = j + 8; i < std::min(L, j + 16); ++i)  // the next group's keys
-            prefetch_row8<HD>(row_of(kb, kn, i));
+            prefetch_row8<HD>(row_of(kb, kf, i));
           if (j % 16 == 0) pump();
           for (int64_t g = 0; g < G; ++g)
             _mm256_storeu_ps(scores.data() + g * L + j, dot8<HD>(qf.data() + g * HD, k8));
         }
         for (; j < L; ++j) {  // the rest one by one
-          const T* k1 = row_of(kb, kn, j);
+          const P* k1 = row_of(kb, kf, j);
           for (int64_t g = 0; g < G; ++g) scores[g * L + j] = dot1<HD>(qf.data() + g * HD, k1);
         }
 #endif
@@ -406,7 +457,7 @@ void decode_attention_impl(
         to_float(qp + (b * H + kh * G) * hd, qf.data(), G * hd);
         for (int64_t i = 0; i < G * hd; ++i) qf[i] *= scale;
         for (int64_t j = 0; j < L; ++j) {
-          to_float(row_of(kb, kn, j), row.data(), hd);
+          to_float(row_of(kb, kf, j), row.data(), hd);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + g * hd;
             float s = 0.0f;
@@ -431,7 +482,7 @@ void decode_attention_impl(
       if constexpr (fast) {
 #ifdef TOKENFLEET_BF16_DOT
         auto v16 = [&](int64_t j) {
-          return reinterpret_cast<const uint16_t*>(row_of(vb, vn, j));
+          return reinterpret_cast<const uint16_t*>(row_of(vb, vf, j));
         };
         for (int64_t g = 0; g < G; g += 4) {  // up to 4 query heads per pass over V
           const float* w = scores.data() + g * L;
@@ -446,21 +497,21 @@ void decode_attention_impl(
 #endif
       } else if constexpr (avx2) {
 #ifdef TOKENFLEET_AVX2_ATTN
-        auto vrow = [&](int64_t j) { return row_of(vb, vn, j); };
+        auto vrow = [&](int64_t j) { return row_of(vb, vf, j); };
         for (int64_t g = 0; g < G; g += 4) {  // up to 4 query heads per pass over V
           const float* w = scores.data() + g * L;
           float* a = acc.data() + g * hd;
           switch (std::min<int64_t>(4, G - g)) {
-            case 1: weigh_values8<HD, 1, T>(w, L, vrow, a, pump); break;
-            case 2: weigh_values8<HD, 2, T>(w, L, vrow, a, pump); break;
-            case 3: weigh_values8<HD, 3, T>(w, L, vrow, a, pump); break;
-            default: weigh_values8<HD, 4, T>(w, L, vrow, a, pump);
+            case 1: weigh_values8<HD, 1, P>(w, L, vrow, a, pump); break;
+            case 2: weigh_values8<HD, 2, P>(w, L, vrow, a, pump); break;
+            case 3: weigh_values8<HD, 3, P>(w, L, vrow, a, pump); break;
+            default: weigh_values8<HD, 4, P>(w, L, vrow, a, pump);
           }
         }
 #endif
       } else {
         for (int64_t j = 0; j < L; ++j) {
-          to_float(row_of(vb, vn, j), row.data(), hd);
+          to_float(row_of(vb, vf, j), row.data(), hd);
           for (int64_t g = 0; g < G; ++g) {
             const float w = scores[g * L + j];
             float* ag = acc.data() + g * hd;
@@ -478,14 +529,14 @@ void decode_attention_impl(
 }
 
 // decode_attention_impl for q's head size: a compile-time constant for the common ones
-template <typename T>
+template <typename T, typename P = T>
 void decode_attention_for(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                           const c10::optional<at::Tensor>& k_new,
                           const c10::optional<at::Tensor>& v_new, const at::Tensor& tables,
                           const at::Tensor& past, int64_t layer, int64_t block_size,
                           int64_t window, at::Tensor& out) {
   auto run = [&](auto hd) {
-    decode_attention_impl<T, decltype(hd)::value>(q, k_pool, v_pool, k_new, v_new, tables, past,
+    decode_attention_impl<T, P, decltype(hd)::value>(q, k_pool, v_pool, k_new, v_new, tables, past,
                                                   layer, block_size, window, out);
   };
   switch (q.size(2)) {
@@ -521,7 +572,18 @@ at::Tensor decode_attention(
     kc = k_new->contiguous();
     vc = v_new->contiguous();
   }
+  const auto pool = k_pool.scalar_type();
+  TORCH_CHECK(v_pool.scalar_type() == pool, "k_pool and v_pool in one dtype");
+  TORCH_CHECK(!kc || kc->scalar_type() == q.scalar_type(), "k_new and v_new in q's dtype");
   auto out = at::empty_like(qc);
+  if (pool != q.scalar_type()) {  // a float16 pool under a float32 query
+    TORCH_CHECK(q.scalar_type() == at::kFloat && pool == at::kHalf,
+                "the pools are in q's dtype, or float16 under a float32 q (q ",
+                q.scalar_type(), ", pools ", pool, ")");
+    decode_attention_for<float, c10::Half>(qc, k_pool, v_pool, kc, vc, tc, pc, layer, block_size,
+                                           window, out);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention",
                                   [&] {
                                     decode_attention_for<scalar_t>(qc, k_pool, v_pool, kc, vc,
@@ -1213,16 +1275,22 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // x [B, hidden] (the embedded tokens); cos/sin and the sliding layers' wcos/wsin
-  // [B, hd]; pools [layers, S, KVH, hd] (all in the model dtype); tables [B, W] int32;
+  // [B, hd]; pools [layers, S, KVH, hd] (in the model dtype, or float16 for a float32
+  // model: each new K/V rounded to it as it is written); tables [B, W] int32;
   // positions [B] int64 (each row's new token's); slots [B] int64 (where its K/V go in
   // the pools). Writes every layer's new K/V into the pools and returns the final norm's
   // output [B, hidden].
   at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor wcos, at::Tensor wsin,
                  at::Tensor k_pool, at::Tensor v_pool, at::Tensor tables, at::Tensor positions,
                  at::Tensor slots, int64_t block_size) {
+    if (dtype_ == at::kFloat && k_pool.scalar_type() == at::kHalf)
+      return run_as<F32, c10::Half>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions,
+                                    slots, block_size);
     if (dtype_ == at::kFloat)
-      return run_as<F32>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
-    return run_as<Bf16>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots, block_size);
+      return run_as<F32, float>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions, slots,
+                                block_size);
+    return run_as<Bf16, c10::BFloat16>(x, cos, sin, wcos, wsin, k_pool, v_pool, tables, positions,
+                                       slots, block_size);
   }
 
   // A whole decode tick from token ids to logits: each row's token embedded (times the
@@ -1280,20 +1348,24 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
  private:
-  template <typename D>
+  // D: the model's storage type; P: the pool's element type (D::T, or float16 under F32)
+  template <typename D, typename P>
   at::Tensor run_as(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                     const at::Tensor& wcos, const at::Tensor& wsin, const at::Tensor& k_pool,
                     const at::Tensor& v_pool, const at::Tensor& tables,
                     const at::Tensor& positions, const at::Tensor& slots, int64_t block_size) {
     using E = typename D::S;  // (S is the pool's slot count)
+    constexpr bool same = std::is_same_v<P, typename D::T>;
+    const at::ScalarType pool = c10::CppTypeToScalarType<P>::value;
     const int64_t B = x.size(0), L = static_cast<int64_t>(windows_.size());
     TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == dtype_,
                 "DecodeStack.run: x [B, hidden] in the model dtype");
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(0) == L && k_pool.size(2) == KVH_ &&
-                    k_pool.size(3) == hd_ && k_pool.scalar_type() == dtype_ &&
-                    k_pool.sizes() == v_pool.sizes() && v_pool.scalar_type() == dtype_ &&
+                    k_pool.size(3) == hd_ && k_pool.scalar_type() == pool &&
+                    k_pool.sizes() == v_pool.sizes() && v_pool.scalar_type() == pool &&
                     k_pool.is_contiguous() && v_pool.is_contiguous(),
-                "DecodeStack.run: pools [layers, S, KVH, hd] in the model dtype, contiguous");
+                "DecodeStack.run: pools [layers, S, KVH, hd], contiguous, in the model dtype "
+                "(or float16 for a float32 model)");
     TORCH_CHECK(positions.size(0) == B && slots.size(0) == B && tables.size(0) == B &&
                     positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
                 "DecodeStack.run: one position, slot and table row per row");
@@ -1320,9 +1392,10 @@ class DecodeStack : public torch::CustomClassHolder {
     E* ns = data<D>(normed);
     E* qs = data<D>(q);
     E* as = data<D>(act);
-    E* kp = data<D>(k_pool);
-    E* vp = data<D>(v_pool);
+    P* kp = reinterpret_cast<P*>(k_pool.data_ptr());
+    P* vp = reinterpret_cast<P*>(v_pool.data_ptr());
     std::vector<E> head(hd_);  // a head between its q/k norm and its rope
+    std::vector<E> key(same ? 0 : hd_);  // a new key before it is rounded to the pool's P
 
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* w = w_.data() + kPerLayer * l;
@@ -1335,7 +1408,7 @@ class DecodeStack : public torch::CustomClassHolder {
       for (int64_t b = 0; b < B; ++b) {  // the rows this layer's K/V go to, for writing
         const char* kd = reinterpret_cast<const char*>(kp + (l * S + sp[b]) * row);
         const char* vd = reinterpret_cast<const char*>(vp + (l * S + sp[b]) * row);
-        for (int64_t at = 0; at < row * static_cast<int64_t>(sizeof(E)); at += 64) {
+        for (int64_t at = 0; at < row * static_cast<int64_t>(sizeof(P)); at += 64) {
           __builtin_prefetch(kd + at, 1, 3);
           __builtin_prefetch(vd + at, 1, 3);
         }
@@ -1362,13 +1435,23 @@ class DecodeStack : public torch::CustomClassHolder {
         if (query_scale_ != 1.0f)  // q * query_scale, rounded (Gemma 3)
           for (int64_t i = 0; i < qn; ++i) qb[i] = D::put(D::get(qb[i]) * query_scale_);
         const int64_t at = (l * S + sp[b]) * row;
-        for (int64_t i = 0; i < KVH_; ++i) rotate(r + qn + i * hd_, k_norm, cb, sb, kp + at + i * hd_);
-        std::memcpy(vp + at, r + qn + row, row * sizeof(E));
+        if constexpr (same) {
+          E* kq = reinterpret_cast<E*>(kp + at);
+          for (int64_t i = 0; i < KVH_; ++i) rotate(r + qn + i * hd_, k_norm, cb, sb, kq + i * hd_);
+          std::memcpy(vp + at, r + qn + row, row * sizeof(E));
+        } else {  // rounded to the pool's dtype (nearest even, as torch's .to())
+          static_assert(std::is_same_v<D, F32> && std::is_same_v<P, c10::Half>);
+          for (int64_t i = 0; i < KVH_; ++i) {
+            rotate(r + qn + i * hd_, k_norm, cb, sb, key.data());
+            to_half(kp + at + i * hd_, key.data(), hd_);
+          }
+          to_half(vp + at, r + qn + row, row);
+        }
       }
       auto att = at::empty_like(q);
       {
         RECORD_FUNCTION("tokenfleet::decode_attention", std::vector<c10::IValue>());
-        decode_attention_for<typename D::T>(q, k_pool, v_pool, none_, none_, tab, past, l,
+        decode_attention_for<typename D::T, P>(q, k_pool, v_pool, none_, none_, tab, past, l,
                                             block_size, windows_[l], att);
       }
       auto o = linear<D>(att.view({B, qn}), w[kO], w[kOScales], w[kOBias], kind[1], hidden_);

@@ -166,8 +166,8 @@ def _decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, d: _Decode) -
     kvh = k_cache.shape[1]
     # index_select on the flat slot list: on CPU about 15x faster than k_cache[slots]
     # with a 2-D index tensor.
-    keys = k_cache.index_select(0, d.slots).view(b, -1, kvh, hd).transpose(1, 2)  # [B,KVH,L,hd]
-    values = v_cache.index_select(0, d.slots).view(b, -1, kvh, hd).transpose(1, 2)
+    keys = _as(q, k_cache.index_select(0, d.slots)).view(b, -1, kvh, hd).transpose(1, 2)
+    values = _as(q, v_cache.index_select(0, d.slots)).view(b, -1, kvh, hd).transpose(1, 2)
     # GQA without copying K/V: the query heads sharing a KV head become that head's
     # "query rows" (heads are grouped kv-major, as in repeat_interleave). Queries are
     # independent in attention, so this is exact.
@@ -184,10 +184,10 @@ def _decode_attention_shared(
     b, h, hd = q.shape
     kvh = k_cache.shape[1]
     q_grouped = q.view(b, kvh, h // kvh, hd) * hd**-0.5  # [B, KVH, G, hd]
-    k_shared = k_cache.index_select(0, shared)  # [P, KVH, hd]
-    v_shared = v_cache.index_select(0, shared)
-    k_own = k_cache.index_select(0, d.slots).view(b, -1, kvh, hd)  # [B, L, KVH, hd]
-    v_own = v_cache.index_select(0, d.slots).view(b, -1, kvh, hd)
+    k_shared = _as(q, k_cache.index_select(0, shared))  # [P, KVH, hd]
+    v_shared = _as(q, v_cache.index_select(0, shared))
+    k_own = _as(q, k_cache.index_select(0, d.slots)).view(b, -1, kvh, hd)  # [B, L, KVH, hd]
+    v_own = _as(q, v_cache.index_select(0, d.slots)).view(b, -1, kvh, hd)
     scores_shared = torch.einsum("bkgd,pkd->bkgp", q_grouped, k_shared)  # [B, KVH, G, P]
     scores_own = torch.einsum("bkgd,blkd->bkgl", q_grouped, k_own)  # [B, KVH, G, L]
     scores_own = scores_own.masked_fill(~d.mask, float("-inf"))
@@ -205,8 +205,8 @@ def _prefill_attention(
     if p.slots is None:  # chunk starts at position 0: its context is itself
         keys, values = k_new, v_new  # [n, KVH, hd]
     else:
-        keys = k_cache.index_select(0, p.slots)  # [ctx, KVH, hd]
-        values = v_cache.index_select(0, p.slots)
+        keys = _as(q, k_cache.index_select(0, p.slots))  # [ctx, KVH, hd]
+        values = _as(q, v_cache.index_select(0, p.slots))
     group = q.shape[1] // keys.shape[1]
     keys = keys.transpose(0, 1)  # [KVH, ctx, hd]
     values = values.transpose(0, 1)
@@ -221,3 +221,8 @@ def _prefill_attention(
         is_causal=p.mask is None,
     )  # [H, n, hd]
     return out.transpose(0, 1)
+
+
+def _as(q: Tensor, gathered: Tensor) -> Tensor:
+    """Gathered keys or values in q's dtype (a float16 pool under a float32 model)."""
+    return gathered if gathered.dtype == q.dtype else gathered.to(q.dtype)
