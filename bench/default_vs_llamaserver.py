@@ -5,6 +5,7 @@ Usage: python bench/default_vs_llamaserver.py [--variants 'default=,int4=--quant
            (the llama.cpp runner: --variants 'llamacpp=--runner llamacpp' --theirs q4_1;
            leading VAR=VALUE words set the worker's environment: 'old=TOKENFLEET_X=0')
            [--theirs q4_1,q8_0] [--rounds 3 (--quick: 1)] [--quick] [--llamacpp-bin DIR]
+           [--multi STREAMS,PROMPT,NEW (default 8,32,128; e.g. 8,1024,128: long contexts)]
            [--also LABEL=DIR,... (the same files under other llama.cpp builds too)]
            [--out bench/out/default_vs_llamaserver.json]
            [--plot bench/out/default_vs_llamaserver.png]
@@ -55,6 +56,7 @@ quant, compile ...) after warm-up and at the end. Prints a markdown table (media
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import itertools
 import os
@@ -479,6 +481,7 @@ def main() -> None:
         help="LABEL=BIN-DIR,...: the same files under each other build's llama-server too, "
         "as sides of the same run (e.g. 'no-openmp=/path/to/build-noomp/bin')",
     )
+    p.add_argument("--multi", default="", help="STREAMS,PROMPT,NEW of the multi workload")
     p.add_argument("--out", default="bench/out/default_vs_llamaserver.json")
     p.add_argument("--plot", default="bench/out/default_vs_llamaserver.png")
     args = p.parse_args()
@@ -488,6 +491,9 @@ def main() -> None:
         sys.exit(f"need --variants and --theirs (of {', '.join(THEIRS)})")
     also = dict(entry.split("=", 1) for entry in args.also.split(",") if entry.strip())
     settings = Settings.quick() if args.quick else Settings.full()
+    if args.multi:
+        streams, prompt, new = (int(x) for x in args.multi.split(","))
+        settings = dataclasses.replace(settings, multi=(streams, prompt, new))
     rounds = args.rounds or (1 if args.quick else 3)
 
     run = Run()
