@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from tokenfleet.config.common import Env, Flag, Settings
 
 RUNNERS = ("torch", "llamacpp", "sim")  # what runs the model: tokenfleet.worker.main.build_worker
 KV_DTYPES = ("auto", "model", "float16")  # what the KV pool holds: LlamaModel.set_kv_dtype
+_CHOICES = {"runner": RUNNERS, "kv_dtype": KV_DTYPES}  # the fields that take one of a list
 
 
 class WorkerSettings(Settings):
@@ -244,19 +245,13 @@ class WorkerSettings(Settings):
             )
         return self
 
-    @field_validator("runner")
+    @field_validator("runner", "kv_dtype")
     @classmethod
-    def _known_runner(cls, runner: str) -> str:
-        if runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
-        return runner
-
-    @field_validator("kv_dtype")
-    @classmethod
-    def _known_kv_dtype(cls, kv_dtype: str) -> str:
-        if kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-        return kv_dtype
+    def _one_of_the_choices(cls, value: str, info: ValidationInfo) -> str:
+        name = str(info.field_name)
+        if value not in _CHOICES[name]:
+            raise ValueError(f"{name} must be one of {', '.join(_CHOICES[name])}, got {value!r}")
+        return value
 
     @field_validator("quant")
     @classmethod

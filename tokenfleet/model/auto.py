@@ -98,11 +98,15 @@ def plan_engine(
     compile_asked: bool | None,
     q4: Mapping[str, PackedWeight] | None = None,
     cache_dir: Path | None = None,
+    kv_dtype: str = "auto",
 ) -> EnginePlan:
     """The plan for a default start (see the module docstring). `q4`: a GGUF file's own
-    4-bit blocks by module name (`load_model(..., q4_aside=True)`), the int4 candidate."""
+    4-bit blocks by module name (`load_model(..., q4_aside=True)`), the int4 candidate.
+    `kv_dtype`: the operator's `--kv-dtype`; the plan chooses the pool's dtype only under
+    `auto` (an explicit ask is the worker's to apply, and the plan's fields don't claim it)."""
     plan = _plan_weights(loaded, compile_asked=compile_asked, q4=q4, cache_dir=cache_dir)
-    if plan.probe_ms and loaded.dtype == torch.float32:  # a planned float32 model on a CPU
+    planned_fp32 = plan.probe_ms and loaded.dtype == torch.float32  # a float32 model on a CPU
+    if kv_dtype == "auto" and planned_fp32:
         why = f"{plan.why}; {FLOAT16_KV}"
         return dataclasses.replace(plan, kv_dtype="float16", why=why)
     return plan
@@ -192,13 +196,13 @@ def _crossover(packed: dict[int, float], dense: dict[int, float]) -> int:
 
 
 def apply_plan(
-    loaded: LoadedModel, *, compile_asked: bool | None
+    loaded: LoadedModel, *, compile_asked: bool | None, kv_dtype: str = "auto"
 ) -> tuple[LoadedModel, EnginePlan]:
     """`plan_engine` on a model loaded with `q4_aside=True`, its narrow weights added:
     the model (its `weight_bytes` counting both weight sets, the aside blocks dropped)
     and the plan. Compiling, where the plan says so, is the caller's
     (`compiled.compile_model(..., decode_graph=plan.decode_graph)`)."""
-    plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks)
+    plan = plan_engine(loaded, compile_asked=compile_asked, q4=loaded.q4_blocks, kv_dtype=kv_dtype)
     if plan.narrow is not None:
         loaded.model.add_narrow(plan.narrow, plan.narrow_rows, loaded.q4_blocks, plan.head_rows)
     if plan.kv_dtype is not None:

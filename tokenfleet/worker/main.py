@@ -185,7 +185,9 @@ def torch_model(
     if auto:
         from tokenfleet.model.auto import apply_plan
 
-        loaded, plan = apply_plan(loaded, compile_asked=settings.compile)
+        loaded, plan = apply_plan(
+            loaded, compile_asked=settings.compile, kv_dtype=settings.kv_dtype
+        )
         logger.info("engine plan: %s", plan.why)
     _kv_dtype(loaded, settings.kv_dtype)
     compile_info = _compile(loaded, settings.compile, plan)
