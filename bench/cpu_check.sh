@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU checks of issues 25 and 26 in one command, for a session that lands on a CPU
-# whose figures are missing or stale (the Xeon AMX's tick run, Zen 5's native stack):
+# whose figures are missing or stale (the Xeon AMX's tick run; Zen 5's, first run 2026-12-07):
 #
 #   bash bench/cpu_check.sh [--only STEPS] [--rounds N]
 #
