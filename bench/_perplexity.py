@@ -36,6 +36,7 @@ def our_perplexity(
         raise ValueError(f"the text has {len(tokens)} tokens, less than one window of {ctx}")
     nll, nll2, count = 0.0, 0.0, 0
     running: list[float] = []
+    window_nll: list[float] = []  # each window's summed NLL: paired comparisons
     methods: list[str] = []
     checks: list[float] = []
     start = time.perf_counter()
@@ -49,7 +50,8 @@ def our_perplexity(
         logp = torch.log_softmax(logits.double(), dim=-1)
         target = torch.tensor(window[first + 1 :])
         picked = -logp[torch.arange(len(target)), target]
-        nll += float(picked.sum())
+        window_nll.append(float(picked.sum()))
+        nll += window_nll[-1]
         nll2 += float((picked * picked).sum())
         count += len(target)
         running.append(math.exp(nll / count))
@@ -63,6 +65,7 @@ def our_perplexity(
         "ctx": ctx,
         "scored_tokens": count,
         "running_ppl": running,
+        "window_nll": window_nll,
         "seconds": time.perf_counter() - start,
         "logits_from": sorted(set(methods)),
         "check_max_abs_logit_diff": max(checks),

@@ -4,7 +4,15 @@ Q4_1 GGUF), bench/data/declaration_gettysburg.txt, windows of 512 tokens, the se
 of each scored (bench/_perplexity.py's `our_perplexity`).
 
 Usage: python bench/default_quality.py [--threads 2] [--int8]
+           [--texts declaration_gettysburg.txt | all | PATH,PATH...]
            [--out bench/out/default_quality.json]
+
+`--texts`: what is scored, files of bench/data by name or paths (`all`: every .txt
+there, bench/data/README.md says what they are). Each text gives the windows it fills
+(its tail short of a window is left out), so no window spans two texts. Every
+comparison is reported with its standard error over the windows, from the paired
+per-window differences of summed NLL (the same windows scored both ways), so a gap
+can be told from the scatter of a few windows.
 
 Three ways to score:
   fp32           the file dequantized to float32, one prefill per window (the reference);
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +80,7 @@ def _perplexity(
     pool = model.new_kv_pool(blocks, 16)
     table = list(range(blocks))
     nll, count = 0.0, 0
+    window_nll: list[float] = []
     started = time.perf_counter()
     for w in range(len(tokens) // CTX):
         window = tokens[w * CTX : (w + 1) * CTX]
@@ -79,11 +89,13 @@ def _perplexity(
         logits = scored(model, pool, table, window).double()
         target = torch.tensor(window[FIRST + 1 : FIRST + 1 + logits.shape[0]])
         logp = torch.log_softmax(logits, dim=-1)
-        nll += float(-logp[torch.arange(len(target)), target].sum())
+        window_nll.append(float(-logp[torch.arange(len(target)), target].sum()))
+        nll += window_nll[-1]
         count += len(target)
     return {
         "ppl": math.exp(nll / count),
         "scored_tokens": count,
+        "window_nll": window_nll,
         "seconds": time.perf_counter() - started,
     }
 
@@ -133,6 +145,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--int8", action="store_true", help="--quant int8, both int8 kernels")
+    p.add_argument("--texts", default=TEXT.name, help="names in bench/data, paths, or all")
     p.add_argument("--out", default="bench/out/default_quality.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -141,8 +154,18 @@ def main() -> None:
 
     fp32 = load_model(PRESET, dtype="float32", device="cpu")
     assert fp32.tokenizer is not None
-    tokens = fp32.tokenizer.encode(TEXT.read_text())
-    results: dict[str, Any] = {"fp32": our_perplexity(fp32, tokens, CTX, None, bos)}
+    tokens: list[int] = []
+    texts = []
+    for path in text_paths(args.texts):
+        ids = fp32.tokenizer.encode(path.read_text())
+        whole = len(ids) // CTX * CTX  # windows inside this text only
+        if not whole:
+            raise SystemExit(f"{path}: {len(ids)} tokens, less than one window of {CTX}")
+        tokens += ids[:whole]
+        texts.append({"text": path.name, "tokens": len(ids), "windows": whole // CTX})
+    print(f"{len(tokens) // CTX} windows of {CTX} from {len(texts)} text(s)", flush=True)
+    results: dict[str, Any] = {"texts": texts}
+    results["fp32"] = our_perplexity(fp32, tokens, CTX, None, bos)
     print(f"fp32: {results['fp32']['ppl']:.4f}", flush=True)
     del fp32
 
@@ -194,10 +217,33 @@ def main() -> None:
     for name, base in compared:
         rel = results[name]["ppl"] / results[base]["ppl"] - 1
         results[f"{name}_vs_fp32"] = rel
-        print(f"{name} vs {base}: {100 * rel:+.2f} %")
+        se = paired_se(results[name], results[base])
+        results[f"{name}_vs_fp32_se"] = se
+        print(f"{name} vs {base}: {100 * rel:+.2f} % (s.e. {100 * se:.2f} %)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
+
+
+def text_paths(spec: str) -> list[Path]:
+    """`--texts`: `all` (every .txt of bench/data), or a comma list of names there or paths."""
+    if spec == "all":
+        return sorted(TEXT.parent.glob("*.txt"))
+    paths = [TEXT.parent / part if "/" not in part else Path(part) for part in spec.split(",")]
+    for path in paths:
+        if not path.is_file():
+            raise SystemExit(f"--texts: no file {path}")
+    return paths
+
+
+def paired_se(one: dict[str, Any], base: dict[str, Any]) -> float:
+    """The standard error of log(ppl / base ppl) over the windows, from each window's
+    difference of summed NLL (the same windows scored both ways): about the relative
+    gap's error. 0 with one window (nothing to say it by)."""
+    diffs = [a - b for a, b in zip(one["window_nll"], base["window_nll"], strict=True)]
+    if len(diffs) < 2:
+        return 0.0
+    return math.sqrt(len(diffs)) * statistics.stdev(diffs) / one["scored_tokens"]
 
 
 if __name__ == "__main__":
