@@ -15,8 +15,9 @@
 #            runner, as started and with the flags that served it best on the Zen 4
 #            (--kv-streams 16 --stream-interval-ms 30), in one run
 #            (bench/default_vs_llamaserver.py)                                  ~7 min
-#   quality  issue 25 part 1: perplexity against fp32, default and --quant int8
-#            (bench/default_quality.py --int8)                                  ~3 min
+#   quality  issue 25 part 1: perplexity against fp32, default and --quant int8, over
+#            bench/data's six texts with each gap's standard error
+#            (bench/default_quality.py --int8 --texts all)                     ~9 min
 #
 # Needs `make venv`, `make llamacpp` and `bash bench/build_llamacpp.sh` done (the last two
 # build llama.cpp, ~15 min on 2 cores the first time); don't run it beside a build or CI:
@@ -95,8 +96,8 @@ step speed "$PY" bench/default_vs_llamaserver.py \
   --variants 'default=,graph=TOKENFLEET_NATIVE_DECODE=0,int8=--quant int8,llamacpp=--runner llamacpp,llamacpp-tuned=--runner llamacpp --kv-streams 16 --stream-interval-ms 30' \
   --theirs q4_1,q8_0 --rounds "$rounds" \
   --out "$speed.json" --plot "$speed.png"
-quality=$(fresh default-quality-int8)
-step quality "$PY" bench/default_quality.py --int8 --out "$quality.json"
+quality=$(fresh default-quality-int8-alltexts)
+step quality "$PY" bench/default_quality.py --int8 --texts all --out "$quality.json"
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "cpu_check: failed: ${failed[*]} (logs in $logs)"
