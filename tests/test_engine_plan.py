@@ -313,9 +313,12 @@ def test_the_probe_picks_the_format_that_measured_faster_and_is_cached(
     # a float32 model (a CPU without bf16) keeps its K/V in float16, and says so
     assert plan.kv_dtype == ("float16" if dtype == "float32" else None), plan
     assert ("float16 KV" in plan.why) is (dtype == "float32"), plan.why
-    # `--kv-dtype model` (or an explicit float16): the plan chooses no pool dtype and says none
+    # `--kv-dtype model` (or an explicit float16): the plan chooses no pool dtype and says
+    # none (a cache of its own: its probe must not become the one checked below)
     for asked in ("model", "float16"):
-        other = plan_engine(loaded, compile_asked=False, cache_dir=tmp_path, kv_dtype=asked)
+        other = plan_engine(
+            loaded, compile_asked=False, cache_dir=tmp_path / "asked", kv_dtype=asked
+        )
         assert other.kv_dtype is None and "KV" not in other.why, (asked, other)
     if plan.narrow is None:
         assert probe["int8"][1] >= probe["dense"][1], plan
